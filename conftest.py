@@ -1,0 +1,118 @@
+"""Shared test fixtures: tiny random Llamas (float64, so a mismatch is a bug, not rounding)
+and the real SmolLM2 checkpoint built by ../shared/models/smollm2.py."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from model import ModelArgs, Transformer
+
+SHARED = Path(__file__).resolve().parent.parent / "shared" / "models"
+REFERENCE = SHARED / "smollm2-135m-instruct" / "reference.json"
+
+
+def tiny_args(**overrides) -> ModelArgs:
+    base = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, vocab_size=32,
+                max_seq_len=256, rope_theta=10000.0, bos_id=1, eos_ids=(2,))
+    return ModelArgs(**{**base, **overrides})
+
+
+def random_model(seed: int = 0, dtype=torch.float64, **overrides) -> Transformer:
+    """A tiny Llama with random weights. Norm weights are randomised too, so a norm that
+    ignored its weight would show."""
+    torch.manual_seed(seed)
+    model = Transformer(tiny_args(**overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.3 if p.dim() > 1 else 0.1)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def hf_config(args: ModelArgs, model_type="llama", **extra) -> dict:
+    cfg = dict(model_type=model_type, hidden_size=args.dim, num_hidden_layers=args.n_layers,
+               num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+               intermediate_size=args.hidden_dim, vocab_size=args.vocab_size, rms_norm_eps=args.norm_eps,
+               rope_theta=args.rope_theta, max_position_embeddings=args.max_seq_len,
+               tie_word_embeddings=args.tie_word_embeddings, bos_token_id=1, eos_token_id=2)
+    if args.head_dim != args.dim // args.n_heads:
+        cfg["head_dim"] = args.head_dim
+    if args.attention_bias and model_type != "qwen2":
+        cfg["attention_bias"] = True
+    if args.rope_scaling:
+        cfg["rope_scaling"] = args.rope_scaling
+    return {**cfg, **extra}
+
+
+def hf_state_dict(model: Transformer) -> dict:
+    """Our parameters under their Hugging Face names."""
+    state = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            if model.args.tie_word_embeddings:
+                continue
+            state[name] = t.contiguous()
+        else:
+            state["model." + name] = t.contiguous()
+    return state
+
+
+def write_checkpoint(folder: Path, model: Transformer, model_type="llama", shards=1, config=None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config or hf_config(model.args, model_type)))
+    state = hf_state_dict(model)
+    if shards == 1:
+        save_file(state, str(folder / "model.safetensors"))
+        return folder
+    names = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: state[n] for n in names[i::shards]}
+        save_file(part, str(folder / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real checkpoint. In CI it must exist: the real-model tests never skip there."""
+    script = SHARED / "smollm2.py"
+    if not script.is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{script} is missing")
+        pytest.skip("../shared/models/smollm2.py not found")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.fail(f"building the SmolLM2 checkpoint failed:\n{out.stderr[-2000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path) -> Transformer:
+    return Transformer.from_pretrained(smollm2_path, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def reference() -> list[dict]:
+    return json.loads(REFERENCE.read_text())["cases"]
+
+
+def assert_matches_reference(tokens: list[int], case: dict):
+    """Token for token, forgiving only a flip where the reference's top-2 logits nearly tie
+    (after a flip the continuations diverge, so comparison ends there)."""
+    expected = case["greedy_ids"]
+    for i, (got, want) in enumerate(zip(tokens, expected)):
+        if got != want:
+            assert case["top2_gap"][i] < 1e-4, (
+                f"{case['name']}: token {i} is {got}, reference {want} (top-2 gap {case['top2_gap'][i]:.5f})")
+            return
+    assert len(tokens) == len(expected), f"{case['name']}: {len(tokens)} tokens, reference {len(expected)}"

@@ -1,0 +1,230 @@
+"""model.py and tokenizer.py: loading, the positions/slots/mask forward, the cache, and the
+real SmolLM2 checkpoint against Hugging Face transformers' greedy output."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import assert_matches_reference, hf_config, random_model, tiny_args, write_checkpoint
+from lookahead import greedy_decode
+from model import ModelArgs, Transformer, rope_inv_freq
+from tokenizer import TextStream, Tokenizer
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+VARIANTS = {
+    "gqa": dict(n_heads=4, n_kv_heads=2),
+    "mha": dict(n_heads=4, n_kv_heads=4),
+    "tied": dict(tie_word_embeddings=True),
+    "llama3_rope": dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+    "head_dim": dict(head_dim=16),  # head_dim * n_heads != dim
+    "qwen2_bias": dict(attention_bias=True),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_load_and_match(tmp_path, variant):
+    model = random_model(**VARIANTS[variant])
+    model_type = "qwen2" if variant == "qwen2_bias" else "llama"
+    loaded = Transformer.from_pretrained(write_checkpoint(tmp_path, model, model_type), "cpu")
+    assert loaded.args == model.args
+    assert loaded.dtype == torch.float64  # the checkpoint's own dtype
+    tokens = torch.randint(0, 32, (1, 12))
+    torch.testing.assert_close(loaded(tokens), model(tokens), rtol=0, atol=1e-12)
+    if model.args.tie_word_embeddings:
+        assert loaded.lm_head.weight is loaded.embed_tokens.weight
+
+
+def test_sharded_checkpoint(tmp_path):
+    model = random_model()
+    loaded = Transformer.from_pretrained(write_checkpoint(tmp_path, model, shards=3), "cpu", torch.float32)
+    assert loaded.dtype == torch.float32
+    tokens = torch.randint(0, 32, (1, 9))
+    torch.testing.assert_close(loaded(tokens).double(), model(tokens), rtol=0, atol=1e-4)
+
+
+def test_config_fields():
+    cfg = hf_config(tiny_args(), "mistral", eos_token_id=[2, 5], sliding_window=128,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}})
+    del cfg["rope_theta"]
+    args = ModelArgs.from_hf_config(cfg)
+    assert args.eos_ids == (2, 5)
+    assert args.rope_theta == 5e5 and args.rope_scaling["rope_type"] == "llama3"
+    assert args.max_seq_len == 128  # capped at the sliding window, where full attention is still exact
+    old_key = ModelArgs.from_hf_config(hf_config(tiny_args(), rope_scaling={**LLAMA3_ROPE, "type": "llama3"}))
+    assert old_key.rope_scaling["factor"] == 8.0
+    assert ModelArgs.from_hf_config(hf_config(tiny_args(), "qwen2")).attention_bias
+    assert ModelArgs.from_hf_config({k: v for k, v in hf_config(tiny_args()).items()
+                                     if k != "num_key_value_heads"}).n_kv_heads == 4
+
+
+def test_llama3_rope_frequencies():
+    # Llama-3 scaling keeps short wavelengths, divides long ones by `factor`, blends between.
+    base = rope_inv_freq(tiny_args(head_dim=64, rope_theta=500000.0))
+    scaled = rope_inv_freq(tiny_args(head_dim=64, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE))
+    wavelen = 2 * torch.pi / base
+    short, long = wavelen < 64 / 4, wavelen > 64 / 1
+    assert short.any() and long.any() and (~short & ~long).any()
+    torch.testing.assert_close(scaled[short], base[short])
+    torch.testing.assert_close(scaled[long], base[long] / 8)
+    mid = ~short & ~long
+    assert ((scaled[mid] < base[mid]) & (scaled[mid] > base[mid] / 8)).all()
+
+
+def test_incremental_decoding_matches_full_forward():
+    model = random_model(seed=1)
+    tokens = torch.randint(0, 32, (1, 20))
+    full = model(tokens)  # plain causal forward
+    model.setup_cache(32)
+    idx = torch.arange(20)
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()
+    prefix = model(tokens[:, :8], idx[:8], idx[:8], causal[:8, :8])
+    steps = [model(tokens[:, t:t + 1], idx[t:t + 1], idx[t:t + 1], causal[t:t + 1, :t + 1]) for t in range(8, 20)]
+    torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), full, rtol=0, atol=1e-12)
+
+
+def tree_step(model, prefix_len):
+    """A step over a tree of tokens in scrambled slots: token i extends parent[i] (-1 = the
+    cached prefix). Returns tokens, parents, slots and the logits."""
+    parents = [-1, 0, 1, -1, 3, 0, 5, 6]
+    tokens = torch.randint(0, 32, (1, len(parents)))
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    slots = prefix_len + torch.randperm(len(parents) + 4)[:len(parents)]  # gaps and any order
+    mask = torch.zeros(len(parents), prefix_len + len(parents) + 4, dtype=torch.bool)
+    mask[:, :prefix_len] = True
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            mask[i, slots[j]] = True
+            j = parents[j]
+    positions = prefix_len + torch.tensor(depth)
+    return tokens, parents, slots, model(tokens, positions, slots, mask)
+
+
+def ancestry(parents, i):
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def test_scattered_slots_and_mask_equal_plain_forward():
+    model = random_model(seed=2)
+    prefix = torch.randint(0, 32, (1, 6))
+    model.setup_cache(32)
+    idx = torch.arange(6)
+    model(prefix, idx, idx, torch.ones(6, 6, dtype=torch.bool).tril())
+    tokens, parents, _, logits = tree_step(model, 6)
+    for i in range(len(parents)):
+        seq = torch.cat([prefix, tokens[:, ancestry(parents, i)]], dim=1)
+        torch.testing.assert_close(logits[0, i], model(seq)[0, -1], rtol=0, atol=1e-12)
+
+
+def test_commit_copies_slots_like_a_fresh_run():
+    model = random_model(seed=3)
+    prefix = torch.randint(0, 32, (1, 5))
+    model.setup_cache(40)
+    idx = torch.arange(5)
+    model(prefix, idx, idx, torch.ones(5, 5, dtype=torch.bool).tril())
+    model.committed = 5
+    tokens, parents, slots, _ = tree_step(model, 5)
+    keep = ancestry(parents, 7)  # the path 0 -> 5 -> 6 -> 7 wins
+    model.commit(slots[keep].tolist())
+    assert model.committed == 5 + len(keep)
+
+    fresh = random_model(seed=3)
+    fresh.setup_cache(40)
+    seq = torch.cat([prefix, tokens[:, keep]], dim=1)
+    n = seq.shape[1]
+    fresh(seq, torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+    for ours, theirs in zip(model.layers, fresh.layers):
+        a, b = ours.self_attn.cache, theirs.self_attn.cache
+        torch.testing.assert_close(a.k[:, :, :n], b.k[:, :, :n], rtol=0, atol=1e-12)
+        torch.testing.assert_close(a.v[:, :, :n], b.v[:, :, :n], rtol=0, atol=1e-12)
+
+
+# --- bad checkpoints -------------------------------------------------------------------------
+
+def test_missing_folder_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        Transformer.from_pretrained(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Transformer.from_pretrained(tmp_path)
+
+
+def test_unknown_model_type(tmp_path):
+    write_checkpoint(tmp_path, random_model(), config=hf_config(tiny_args(), "gpt2"))
+    with pytest.raises(ValueError, match="'gpt2'"):
+        Transformer.from_pretrained(tmp_path)
+
+
+def test_pickle_only_and_no_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(tiny_args())))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        Transformer.from_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ValueError, match="only safetensors"):
+        Transformer.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["missing", "shape", "unexpected"])
+def test_damaged_weights_name_the_tensor(tmp_path, damage):
+    model = random_model()
+    write_checkpoint(tmp_path, model)
+    from safetensors.torch import load_file
+    state = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    if damage == "missing":
+        del state[name]
+    elif damage == "shape":
+        state[name] = state[name][:, :-1].contiguous()
+    else:
+        state["model.layers.1.mlp.extra.weight"] = state[name].clone()
+        name = "model.layers.1.mlp.extra.weight"
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=name.removeprefix("model." if damage == "missing" else "")):
+        Transformer.from_pretrained(tmp_path)
+
+
+def test_sharded_checkpoint_with_missing_shard(tmp_path):
+    write_checkpoint(tmp_path, random_model(), shards=2)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        Transformer.from_pretrained(tmp_path)
+
+
+# --- the real checkpoint ---------------------------------------------------------------------
+
+def test_smollm2_greedy_matches_transformers(smollm2, reference):
+    for case in reference:
+        gen = greedy_decode(smollm2, case["prompt_ids"], len(case["greedy_ids"]), stop_ids=(2,))
+        assert_matches_reference(gen.tokens, case)
+        assert gen.steps == len(gen.tokens) - 1
+
+
+def test_smollm2_tokenizer(smollm2_path, reference):
+    tok = Tokenizer.from_pretrained(smollm2_path)
+    assert 2 in tok.stop_ids
+    for case in reference:
+        text = tok.apply_chat_template([{"role": "user", "content": case["prompt"]}]) if case["chat"] else case["prompt"]
+        assert tok.encode(text) == case["prompt_ids"]
+        assert tok.decode(case["greedy_ids"]) == case["text"]
+
+
+def test_text_stream_keeps_spaces_and_whole_characters(smollm2_path):
+    tok = Tokenizer.from_pretrained(smollm2_path)
+    text = "Naïve café: 東京 is big — 🙂 ok!\n  indented"
+    ids = tok.encode(text)
+    stream, pieces = TextStream(tok), []
+    for i in ids:
+        piece = stream.push([i])
+        assert "\ufffd" not in piece
+        pieces.append(piece)
+    pieces.append(stream.flush())
+    assert "".join(pieces) == text
+    assert any(p == "" for p in pieces)  # some character did span several tokens
