@@ -142,15 +142,33 @@ class KVCache(nn.Module):
         self.v[:, :, dst] = self.v[:, :, src]
 
 
+class Linear(nn.Linear):
+    """nn.Linear, except that on the CPU it multiplies as (W @ x^T)^T.
+
+    Decoding runs few tokens against large weights. As the small operand of MKL's sgemm the
+    weights are packed (read, written, read again) on every call; as the large one they are
+    streamed once. On a 2-core AVX2 CPU this makes a 16-token forward of SmolLM2 cost about
+    1.1x a 1-token forward instead of 1.6-2x, which is what lets lookahead pay off there.
+    """
+
+    def forward(self, x):
+        if x.device.type != "cpu":
+            return super().forward(x)
+        y = torch.mm(self.weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()  # (B*T, out)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], -1)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         bias = args.attention_bias
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_proj = Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.k_proj = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.cache: KVCache | None = None
 
     def forward(self, x, cos, sin, slots=None, mask=None):
@@ -165,19 +183,19 @@ class Attention(nn.Module):
             self.cache.write(slots, k, v)
             S = mask.shape[-1]
             k, v = self.cache.k[:, :, :S], self.cache.v[:, :, :S]  # (B, n_kv_heads, S, head_dim)
-        rep = self.n_heads // self.n_kv_heads
-        if rep > 1:  # grouped-query attention: each K/V head serves `rep` query heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        # Grouped-query attention: each K/V head serves n_heads / n_kv_heads query heads.
+        # enable_gqa repeats the K/V heads inside the kernel instead of copying the cache.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
-        self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.gate_proj = Linear(args.dim, args.hidden_dim, bias=False)
+        self.up_proj = Linear(args.dim, args.hidden_dim, bias=False)
+        self.down_proj = Linear(args.hidden_dim, args.dim, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -205,7 +223,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # float32 even in a bf16 model: positions in the thousands need the precision.
