@@ -116,3 +116,34 @@ def assert_matches_reference(tokens: list[int], case: dict):
                 f"{case['name']}: token {i} is {got}, reference {want} (top-2 gap {case['top2_gap'][i]:.5f})")
             return
     assert len(tokens) == len(expected), f"{case['name']}: {len(tokens)} tokens, reference {len(expected)}"
+
+
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start|> {{ m['role'] }} {{ m['content'] }} <|eot_id|> "
+                   "{% endfor %}{% if add_generation_prompt %}<|start|> assistant {% endif %}")
+
+
+def write_tokenizer(folder: Path, vocab_size=32, stop_ids=(1, 2, 3)) -> Path:
+    """A Llama-3-style word-level tokenizer: the post-processor adds BOS AND the chat template
+    renders it; generation_config lists several stop ids."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, processors
+    specials = ["<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|start|>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token="w5"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[("<|begin_of_text|>", 0)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3_TEMPLATE}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(stop_ids)}))
+    return folder
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path) -> Path:
+    """A tiny model with its tokenizer, for the command line."""
+    folder = write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=64))
+    return write_tokenizer(folder)

@@ -1,14 +1,16 @@
 """lookahead.py: exactly greedy (Hypothesis, float64), the mask, the pool, the rollback, the
 real checkpoint against transformers' greedy output, and clear errors."""
-import random
+import json
 from collections import Counter
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import assert_matches_reference, random_model
-from lookahead import NGramPool, greedy_decode, lookahead_decode, main, step_layout
+from conftest import assert_matches_reference, random_model, write_tokenizer
+from model import Transformer
+from tokenizer import Tokenizer
+from lookahead import NGramPool, Sampling, greedy_decode, lookahead_decode, main, sample_decode, step_layout
 
 
 def test_lookahead_equals_greedy():
@@ -167,7 +169,230 @@ def test_smollm2_lookahead_matches_transformers(smollm2, reference, W, N, G):
         assert_matches_reference(gen.tokens, case)
 
 
-def test_cli_errors_are_one_line(tmp_path, capsys):
-    assert main(["--model", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error:") and err.count("\n") == 1
+# --- sampling --------------------------------------------------------------------------------
+
+def exact_joint(model, prompt, n, sampling):
+    """P(x1..xn) of plain sampling, by enumeration with plain forwards: {tuple: probability}."""
+    dist = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for seq, p in dist.items():
+            probs = sampling.probs(model(torch.tensor([prompt + list(seq)]))[0, -1]).tolist()
+            for tok, q in enumerate(probs):
+                if p * q > 1e-12:
+                    nxt[seq + (tok,)] = p * q
+        dist = nxt
+    return dist
+
+
+def chi_square_excess(samples, dist):
+    """(chi-square statistic, its 1e-6 critical value) for samples against dist, merging bins
+    expected to hold fewer than 5 samples into one."""
+    counts = Counter(samples)
+    n = len(samples)
+    big = [k for k, p in dist.items() if p * n >= 5]
+    observed = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
+    expected = [dist[k] * n for k in big] + [n * (1 - sum(dist[k] for k in big))]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    df = len(observed) - 1
+    z = 4.75  # one-sided normal quantile for 1e-6, through the Wilson-Hilferty approximation
+    critical = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    return stat, critical
+
+
+def sampling_case():
+    model = random_model(seed=11, vocab_size=8, n_layers=1)
+    prompt = [1, 2] + greedy_decode(model, [1, 2], 12).tokens  # repetitive: the pool holds good drafts
+    return model, prompt, Sampling(temperature=0.8, top_p=0.95)
+
+
+def draw(model, prompt, sampling, cfg, n):
+    samples, steps, multi = [], 0, 0
+    for seed in range(n):
+        gen = lookahead_decode(model, prompt, 4, *cfg, seed=seed, temperature=sampling.temperature,
+                               top_p=sampling.top_p)
+        samples.append(tuple(gen.tokens))
+        multi += max(gen.accepted, default=1) > 1
+    return samples, multi
+
+
+@pytest.mark.parametrize("cfg", [(3, 3, 3), (1, 5, 8), (4, 2, 2)])
+def test_lookahead_sampling_keeps_the_distribution(cfg):
+    model, prompt, sampling = sampling_case()
+    dist = exact_joint(model, prompt, 4, sampling)
+    samples, multi = draw(model, prompt, sampling, cfg, 1500)
+    assert 0.1 * len(samples) < multi < 0.9 * len(samples)  # drafts often right and often wrong
+    stat, critical = chi_square_excess(samples, dist)
+    assert stat < critical, (stat, critical)
+
+
+def test_a_biased_verifier_fails_the_distribution_test(monkeypatch):
+    import lookahead
+
+    def accept_first_draft(candidates, K, logits, sampling, rng, gen):
+        if not candidates:
+            return 0, 0, [torch.multinomial(sampling.probs(logits[0]), 1, generator=gen).item()]
+        return 0, 1, [candidates[0][0], torch.multinomial(sampling.probs(logits[1]), 1, generator=gen).item()]
+
+    monkeypatch.setattr(lookahead, "verify_sampled", accept_first_draft)
+    model, prompt, sampling = sampling_case()
+    samples, _ = draw(model, prompt, sampling, (3, 3, 3), 1500)
+    stat, critical = chi_square_excess(samples, exact_joint(model, prompt, 4, sampling))
+    assert stat > 3 * critical, (stat, critical)
+
+
+def test_plain_sampling_matches_the_exact_distribution():
+    model, prompt, sampling = sampling_case()
+    samples = [tuple(sample_decode(model, prompt, 4, sampling.temperature, top_p=sampling.top_p, seed=s).tokens)
+               for s in range(1500)]
+    stat, critical = chi_square_excess(samples, exact_joint(model, prompt, 4, sampling))
+    assert stat < critical, (stat, critical)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**16), W=st.integers(1, 6), N=st.integers(2, 5), G=st.integers(0, 6),
+       greedy_by=st.sampled_from(["temperature", "top_k"]))
+def test_temperature_zero_and_top_k_one_are_greedy(seed, W, N, G, greedy_by):
+    model = random_model(seed, vocab_size=12)
+    prompt = [1, 2, 3] * 4
+    options = dict(temperature=0.0) if greedy_by == "temperature" else dict(temperature=1.3, top_k=1)
+    expected = greedy_decode(model, prompt, 30).tokens
+    assert lookahead_decode(model, prompt, 30, W, N, G, seed=seed, **options).tokens == expected
+    assert sample_decode(model, prompt, 30, seed=seed, **options).tokens == expected
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    model, prompt, sampling = sampling_case()
+    a = lookahead_decode(model, prompt, 20, seed=3, temperature=1.0)
+    b = lookahead_decode(model, prompt, 20, seed=3, temperature=1.0)
+    assert a.tokens == b.tokens
+    assert sample_decode(model, prompt, 20, seed=3).tokens == sample_decode(model, prompt, 20, seed=3).tokens
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+])
+def test_bad_sampling_options(options, message):
+    model = random_model()
+    with pytest.raises(ValueError, match=message):
+        lookahead_decode(model, [1, 2], 5, **options)
+    with pytest.raises(ValueError, match=message):
+        sample_decode(model, [1, 2], 5, **{"temperature": 1.0, **options})
+
+
+# --- tokenizers with several stop ids and a BOS in the chat template ---------------------------
+
+def test_llama3_style_bos_is_not_doubled(tiny_checkpoint):
+    tok = Tokenizer.from_pretrained(tiny_checkpoint)
+    chat = tok.apply_chat_template([{"role": "user", "content": "w7 w8"}])
+    assert chat.startswith("<|begin_of_text|>")
+    ids = tok.encode(chat)
+    assert ids[0] == 0 and ids.count(0) == 1  # the post-processor's BOS and the template's are one
+    assert tok.encode("w7 w8") == [0, 7, 8]  # a plain prompt gets the post-processor's BOS
+
+
+def test_every_stop_id_stops(tiny_checkpoint):
+    model = Transformer.from_pretrained(tiny_checkpoint, "cpu")
+    prompt = [0, 7, 8, 9, 7, 8]
+    free = greedy_decode(model, prompt, 40).tokens
+    firsts = sorted({free.index(t): t for t in set(free) if free.index(t) > 0}.items())[:3]
+    assert len(firsts) == 3
+    for k in range(3):  # the earliest listed id ends generation, whichever of the three it is
+        stop_ids = [t for _, t in firsts[k:]]
+        tok = Tokenizer.from_pretrained(write_tokenizer(tiny_checkpoint, stop_ids=stop_ids[::-1]))
+        assert set(stop_ids) <= set(tok.stop_ids)
+        expected = free[:firsts[k][0] + 1]
+        assert greedy_decode(model, prompt, 40, tok.stop_ids).tokens == expected
+        assert lookahead_decode(model, prompt, 40, 3, 3, 3, tok.stop_ids).tokens == expected
+
+
+# --- the command line -------------------------------------------------------------------------
+
+def run_cli(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_generates_and_compares(tiny_checkpoint, capsys):
+    code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8",
+                             "--max-new-tokens", "20", "--compare")
+    assert code == 0, err
+    assert "identical to greedy: yes" in err and "speed-up" in err
+    assert out.strip()
+
+
+def test_cli_show_is_plain_off_a_terminal_and_trace_shows_the_step(tiny_checkpoint, capsys):
+    code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8",
+                             "--max-new-tokens", "20", "--show", "--trace", "2")
+    assert code == 0, err
+    assert "\033[" not in out  # stdout is not a terminal here
+    assert "-- step 1" in err and "-- step 2" in err and "-- step 3" not in err
+    assert "window level 0" in err and "committed" in err
+
+
+def test_cli_sampling(tiny_checkpoint, capsys):
+    code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8", "--max-new-tokens", "10",
+                             "--temperature", "0.8", "--top-p", "0.9", "--seed", "1", "--compare")
+    assert code == 0, err
+    assert "sampled" in err
+
+
+@pytest.mark.parametrize("case", [
+    "missing_folder", "no_config", "no_weights", "model_type", "pickle_only", "empty_prompt", "long_prompt",
+    "window", "ngram", "guesses", "max_new_tokens", "cuda", "dtype", "prompt_file", "top_p", "no_template",
+])
+def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsys, case):
+    ckpt = str(tiny_checkpoint)
+    argv = ["--model", ckpt, "--prompt", "w7 w8"]
+    if case == "missing_folder":
+        argv[1] = str(tmp_path / "no-such-model")
+    elif case == "no_config":
+        (tiny_checkpoint / "config.json").unlink()
+    elif case == "no_weights":
+        (tiny_checkpoint / "model.safetensors").unlink()
+    elif case == "model_type":
+        cfg = json.loads((tiny_checkpoint / "config.json").read_text())
+        (tiny_checkpoint / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
+    elif case == "pickle_only":
+        (tiny_checkpoint / "model.safetensors").rename(tiny_checkpoint / "pytorch_model.bin")
+    elif case == "empty_prompt":
+        argv[3] = "   "
+    elif case == "long_prompt":
+        argv[3] = "w7 " * 80
+    elif case in ("window", "ngram", "guesses", "max_new_tokens"):
+        argv += [f"--{case.replace('_', '-')}", "-1"]
+    elif case == "cuda":
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+        argv += ["--device", "cuda"]
+    elif case == "dtype":
+        argv += ["--dtype", "int8"]
+    elif case == "prompt_file":
+        argv = ["--model", ckpt, "--prompt-file", str(tmp_path / "missing.txt")]
+    elif case == "top_p":
+        argv += ["--top-p", "1.5"]
+    elif case == "no_template":
+        (tiny_checkpoint / "tokenizer_config.json").write_text("{}")
+        argv += ["--chat"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_cli_ctrl_c_stops_cleanly(tiny_checkpoint, capsys, monkeypatch):
+    import lookahead
+
+    def interrupted(model, prompt_ids, max_new_tokens, *args, on_tokens=None, **kwargs):
+        on_tokens([7, 8])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lookahead, "lookahead_decode", interrupted)
+    code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8")
+    assert code == 130
+    assert "w7 w8" in out and "[interrupted]" in err
