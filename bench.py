@@ -1,0 +1,168 @@
+"""Benchmark: greedy vs lookahead decoding, measured side by side, on the same model and prompts.
+
+    python bench.py                                  # the real SmolLM2 checkpoint, device defaults
+    python bench.py --configs 7,5,7 15,5,15 --device cuda --dtype bfloat16
+    python bench.py --sweep --json results.json      # a grid of W,N,G
+
+For every configuration: tokens/s, steps, tokens per step, the speed-up over greedy (runs
+alternate greedy / lookahead per prompt, after a warm-up, median over --repeats), and whether
+the tokens equal greedy's (they must: "yes"). Prints a table and the machine it ran on.
+"""
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from lookahead import DTYPES, default_config, greedy_decode, lookahead_decode
+from model import Transformer
+from tokenizer import Tokenizer
+
+SUMMARY_TEXT = (
+    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 individual "
+    "reefs and 900 islands stretching for over 2,300 kilometres over an area of approximately 344,400 "
+    "square kilometres. The reef is located in the Coral Sea, off the coast of Queensland, Australia. "
+    "It can be seen from outer space and is the world's biggest single structure made by living "
+    "organisms. This reef structure is composed of and built by billions of tiny organisms, known as "
+    "coral polyps. It supports a wide diversity of life and was selected as a World Heritage Site in 1981.")
+
+# (kind, chat?, prompt): chat prompts go through the model's chat template.
+PROMPTS = [
+    ("list", True, "Count from 1 to 30, separated by commas."),
+    ("prose", True, "Explain what a hash table is in three sentences."),
+    ("code", True, "Write an SQL query that returns the ten customers with the highest total order amount."),
+    ("code", True, "Write a Python function that checks whether a number is prime."),
+    ("summary", True, f"Summarise this text in two sentences:\n\n{SUMMARY_TEXT}"),
+    ("story", False, "Once upon a time, in a small village by the sea,"),
+]
+
+SWEEP = [(w, n, g) for n in (3, 4, 5) for w in (1, 3, 7, 15) for g in (1, 3, 7, 15)]
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def parse_config(text: str):
+    try:
+        w, n, g = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a configuration is W,N,G (e.g. 7,5,7), not {text!r}")
+    return w, n, g
+
+
+def load_prompts(path, tokenizer):
+    prompts = PROMPTS
+    if path:
+        prompts = []
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                prompts.append((row.get("kind", "custom"), row.get("chat", True), row["prompt"]))
+    encoded = []
+    for _, chat, text in prompts:
+        if chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        encoded.append(tokenizer.encode(text))
+    return encoded
+
+
+def timed(fn, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    gen = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return gen
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: ../shared/models/smollm2.py's)")
+    ap.add_argument("--configs", nargs="+", type=parse_config, default=None,
+                    help="W,N,G configurations (default: the device's default)")
+    ap.add_argument("--sweep", action="store_true", help=f"run a grid of {len(SWEEP)} configurations")
+    ap.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "chat": true}')
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", choices=DTYPES, default=None)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    path = args.model
+    if path is None:
+        script = Path(__file__).resolve().parent.parent / "shared" / "models" / "smollm2.py"
+        path = subprocess.run([sys.executable, str(script)], check=True, capture_output=True,
+                              text=True).stdout.strip().splitlines()[-1]
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    model = Transformer.from_pretrained(path, device, dtype)
+    tokenizer = Tokenizer.from_pretrained(path)
+    prompts = load_prompts(args.prompts, tokenizer)
+    stop = tokenizer.stop_ids
+    configs = SWEEP if args.sweep else args.configs or [default_config(device)]
+    n_new = args.max_new_tokens
+
+    def greedy(ids):
+        return greedy_decode(model, ids, n_new, stop)
+
+    def lookahead(ids, cfg):
+        return lookahead_decode(model, ids, n_new, *cfg, stop_ids=stop)
+
+    print(f"# {machine(device)}, {str(dtype).removeprefix('torch.')}, {len(prompts)} prompts x {n_new} tokens, "
+          f"median of {args.repeats}", flush=True)
+    for ids in prompts[:2]:  # warm-up: allocator, caches, kernels
+        greedy(ids), lookahead(ids, configs[0])
+
+    # seconds[name][repeat] summed over prompts; greedy and each config alternate per prompt so
+    # that drifts in machine speed hit all of them alike.
+    names = ["greedy"] + [",".join(map(str, c)) for c in configs]
+    seconds = {name: [0.0] * args.repeats for name in names}
+    results = {name: [] for name in names}
+    for r in range(args.repeats):
+        for ids in prompts:
+            ref = timed(lambda: greedy(ids), device)
+            seconds["greedy"][r] += ref.seconds
+            if r == 0:
+                results["greedy"].append((ref, True))
+            for name, cfg in zip(names[1:], configs):
+                gen = timed(lambda: lookahead(ids, cfg), device)
+                seconds[name][r] += gen.seconds
+                if r == 0:
+                    results[name].append((gen, gen.tokens == ref.tokens))
+
+    rows = []
+    base = statistics.median(seconds["greedy"])
+    for name in names:
+        gens = results[name]
+        tokens = sum(len(g.tokens) for g, _ in gens)
+        steps = sum(g.steps for g, _ in gens)
+        secs = statistics.median(seconds[name])
+        rows.append(dict(config=name, tokens=tokens, steps=steps,
+                         tokens_per_step=sum(sum(g.accepted) for g, _ in gens) / max(steps, 1),
+                         tokens_per_s=tokens / secs, speedup=base / secs,
+                         identical=all(same for _, same in gens)))
+    print(f"{'config (W,N,G)':>15} {'tokens/s':>9} {'steps':>6} {'tok/step':>9} {'speed-up':>9} {'same as greedy':>15}")
+    for row in rows:
+        print(f"{row['config']:>15} {row['tokens_per_s']:9.1f} {row['steps']:6d} {row['tokens_per_step']:9.2f} "
+              f"{row['speedup']:8.2f}x {'yes' if row['identical'] else 'NO':>15}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(machine=machine(device), dtype=str(dtype), device=str(device),
+                                                   max_new_tokens=n_new, repeats=args.repeats, rows=rows), indent=1))
+    return 0 if all(row["identical"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
