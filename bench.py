@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from lookahead import DTYPES, default_config, greedy_decode, lookahead_decode
+from lookahead import DTYPES, default_config, default_dtype, greedy_decode, lookahead_decode
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -94,7 +94,7 @@ def main(argv=None):
                     help="W,N,G configurations (default: the device's default)")
     ap.add_argument("--sweep", action="store_true", help=f"run a grid of {len(SWEEP)} configurations")
     ap.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "chat": true}')
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", choices=DTYPES, default=None)
@@ -107,8 +107,8 @@ def main(argv=None):
         path = subprocess.run([sys.executable, str(script)], check=True, capture_output=True,
                               text=True).stdout.strip().splitlines()[-1]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
-    model = Transformer.from_pretrained(path, device, dtype)
+    model = Transformer.from_pretrained(path, device, DTYPES[args.dtype] if args.dtype else default_dtype(device))
+    dtype = model.dtype
     tokenizer = Tokenizer.from_pretrained(path)
     prompts = load_prompts(args.prompts, tokenizer)
     stop = tokenizer.stop_ids

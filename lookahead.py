@@ -7,8 +7,9 @@ the n-grams they trace into a pool, and in the SAME forward pass verifies the po
 that start with the last token. Whatever verification accepts is exactly what greedy decoding
 would have produced, so the output is unchanged; a step just commits up to N tokens.
 
-Read it top to bottom: Generation, greedy_decode (the baseline), NGramPool, step_layout (the
-attention mask), lookahead_decode (window, pool, one forward, verify, commit), the CLI.
+Read it top to bottom: Generation; greedy_decode and sample_decode (the baselines); NGramPool;
+step_layout (the attention mask); verify_greedy and verify_sampled; lookahead_decode (window,
+pool, one forward, verify, commit/rollback); the command line.
 """
 import argparse
 import os
@@ -331,10 +332,12 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
     layouts = {}  # (W, L, K) -> step_layout on the device
 
     # Window: level 0 starts as random prompt tokens (any guess converges; these are cheap and
-    # seeded, so runs repeat). It grows a level per step until it has N-1.
+    # seeded, so runs repeat). It grows a level per step until it has N-1; verification does not
+    # wait for it, since the pool already holds the prompt's n-grams.
     rng = random.Random(seed)
     window = [[rng.choice(prompt_ids) for _ in range(W)]]
-    # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies.
+    # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies
+    # (step 6 below adds the n-grams of the committed text as it grows).
     pool = NGramPool(G)
     if prompt_ngrams:
         for i in range(len(prompt_ids) - N + 1):
@@ -405,7 +408,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
                 window.pop(0)
             window.append(new_level)
 
-        # Stop exactly where greedy would: at a stop id, or at max_new_tokens.
+        # 6. Stop exactly where greedy would: at a stop id, or at max_new_tokens.
         new_tokens = new_tokens[:max_new_tokens - len(tokens)]
         for i, t in enumerate(new_tokens):
             if t in stop:
@@ -432,8 +435,18 @@ COLOURS = {2: "36", 3: "32", 4: "33", 5: "35"}
 
 
 def default_config(device) -> tuple[int, int, int]:
-    """(W, N, G) by device type, chosen with bench.py (README, Performance)."""
-    return (15, 5, 15) if torch.device(device).type == "cuda" else (7, 5, 7)
+    """(W, N, G) by device type, chosen with bench.py (README, Performance).
+
+    A CPU step costs about one token's forward only while it holds a handful of tokens, so
+    the CPU gets a one-column window and a single candidate; a GPU step costs about the same
+    for hundreds of tokens, so it gets a wide window and many candidates."""
+    return (15, 5, 15) if torch.device(device).type == "cuda" else (1, 4, 1)
+
+
+def default_dtype(device):
+    """float32 on the CPU: without native bf16 matrix units, bf16 products of more than a
+    few tokens cost more than float32 ones there. On a GPU, the checkpoint's own dtype."""
+    return torch.float32 if torch.device(device).type == "cpu" else None
 
 
 def resolve_model(name: str) -> str:
@@ -481,7 +494,7 @@ def parse_args(argv):
     ap.add_argument("--trace", type=int, nargs="?", const=3, default=0, metavar="STEPS",
                     help="print what the first STEPS steps did (default 3)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)} (default: the checkpoint's)")
+    ap.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)} (default: float32 on CPU, else the checkpoint's)")
     args = ap.parse_args(argv)
 
     if (args.prompt is None) == (args.prompt_file is None):
@@ -524,7 +537,7 @@ def main(argv=None):
     colour = args.show and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     try:
         path = resolve_model(args.model)
-        model = Transformer.from_pretrained(path, args.device, DTYPES.get(args.dtype))
+        model = Transformer.from_pretrained(path, args.device, DTYPES.get(args.dtype) or default_dtype(args.device))
         tokenizer = Tokenizer.from_pretrained(path)
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         prompt_ids = tokenizer.encode(text)
