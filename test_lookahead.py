@@ -396,3 +396,19 @@ def test_cli_ctrl_c_stops_cleanly(tiny_checkpoint, capsys, monkeypatch):
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8")
     assert code == 130
     assert "w7 w8" in out and "[interrupted]" in err
+
+
+def test_cli_resolves_a_hub_id_through_the_local_cache(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    import shutil
+    from huggingface_hub import constants
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny-llama" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_checkpoint, snapshot)
+    (cache / "models--someone--tiny-llama" / "refs").mkdir()
+    (cache / "models--someone--tiny-llama" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out, err = run_cli(capsys, "--model", "someone/tiny-llama", "--prompt", "w7 w8", "--max-new-tokens", "5")
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "--model", "someone/not-cached", "--prompt", "w7 w8")
+    assert code == 2 and "hf download someone/not-cached" in err and err.count("\n") == 1

@@ -105,6 +105,16 @@ def tree_step(model, prefix_len):
     return tokens, parents, slots, model(tokens, positions, slots, mask)
 
 
+def cached_prefix(model, n, cache_len):
+    """Random prefix tokens (1, n), run through a fresh cache of cache_len slots."""
+    prefix = torch.randint(0, 32, (1, n))
+    model.setup_cache(cache_len)
+    idx = torch.arange(n)
+    model(prefix, idx, idx, torch.ones(n, n, dtype=torch.bool).tril())
+    model.committed = n
+    return prefix
+
+
 def ancestry(parents, i):
     path = []
     while i >= 0:
@@ -115,10 +125,7 @@ def ancestry(parents, i):
 
 def test_scattered_slots_and_mask_equal_plain_forward():
     model = random_model(seed=2)
-    prefix = torch.randint(0, 32, (1, 6))
-    model.setup_cache(32)
-    idx = torch.arange(6)
-    model(prefix, idx, idx, torch.ones(6, 6, dtype=torch.bool).tril())
+    prefix = cached_prefix(model, 6, 32)
     tokens, parents, _, logits = tree_step(model, 6)
     for i in range(len(parents)):
         seq = torch.cat([prefix, tokens[:, ancestry(parents, i)]], dim=1)
@@ -127,11 +134,7 @@ def test_scattered_slots_and_mask_equal_plain_forward():
 
 def test_commit_copies_slots_like_a_fresh_run():
     model = random_model(seed=3)
-    prefix = torch.randint(0, 32, (1, 5))
-    model.setup_cache(40)
-    idx = torch.arange(5)
-    model(prefix, idx, idx, torch.ones(5, 5, dtype=torch.bool).tril())
-    model.committed = 5
+    prefix = cached_prefix(model, 5, 40)
     tokens, parents, slots, _ = tree_step(model, 5)
     keep = ancestry(parents, 7)  # the path 0 -> 5 -> 6 -> 7 wins
     model.commit(slots[keep].tolist())
