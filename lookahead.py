@@ -576,15 +576,15 @@ def main(argv=None):
                 name += f", temperature {sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
             try:
                 if greedy and sampling.greedy:
-                    gen = greedy_decode(model, prompt_ids, args.max_new_tokens, stop_ids, stream and on_tokens)
+                    gen = greedy_decode(model, prompt_ids, args.max_new_tokens, stop_ids, on_tokens if stream else None)
                 elif greedy:
                     gen = sample_decode(model, prompt_ids, args.max_new_tokens, sampling.temperature, sampling.top_k,
-                                        sampling.top_p, args.seed, stop_ids, stream and on_tokens)
+                                        sampling.top_p, args.seed, stop_ids, on_tokens if stream else None)
                 else:
                     gen = lookahead_decode(model, prompt_ids, args.max_new_tokens, args.window, args.ngram,
-                                           args.guesses, stop_ids, seed=args.seed, on_tokens=stream and on_tokens,
+                                           args.guesses, stop_ids, seed=args.seed, on_tokens=on_tokens if stream else None,
                                            temperature=sampling.temperature, top_k=sampling.top_k,
-                                           top_p=sampling.top_p, on_step=args.trace and trace)
+                                           top_p=sampling.top_p, on_step=trace if args.trace else None)
             finally:
                 if stream:
                     print(out.flush(), flush=True)
