@@ -112,6 +112,12 @@ class Sampling:
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         return logits.softmax(-1)
 
+    def pick(self, logits: torch.Tensor, generator=None) -> torch.Tensor:
+        """(R, V) logits -> (R, 1) tokens: the argmax when greedy, else a draw from probs."""
+        if self.greedy:
+            return logits.argmax(-1, keepdim=True)
+        return torch.multinomial(self.probs(logits), 1, generator=generator)
+
 
 GREEDY = Sampling(temperature=0)
 
@@ -143,8 +149,7 @@ def one_by_one(model, prompt_ids, max_new_tokens, stop_ids, on_tokens, pick) -> 
 @torch.inference_mode()
 def greedy_decode(model, prompt_ids, max_new_tokens, stop_ids=(), on_tokens=None) -> Generation:
     """The baseline: one token per forward. Lookahead must reproduce it token for token."""
-    return one_by_one(model, prompt_ids, max_new_tokens, stop_ids, on_tokens,
-                      lambda logits: logits.argmax(-1, keepdim=True))
+    return one_by_one(model, prompt_ids, max_new_tokens, stop_ids, on_tokens, GREEDY.pick)
 
 
 @torch.inference_mode()
@@ -156,7 +161,7 @@ def sample_decode(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, t
         return greedy_decode(model, prompt_ids, max_new_tokens, stop_ids, on_tokens)
     gen = torch.Generator(model.device).manual_seed(seed)
     return one_by_one(model, prompt_ids, max_new_tokens, stop_ids, on_tokens,
-                      lambda logits: torch.multinomial(sampling.probs(logits), 1, generator=gen))
+                      lambda logits: sampling.pick(logits, gen))
 
 
 class NGramPool:
@@ -344,11 +349,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
             pool.add(prompt_ids[i:i + N])
 
     gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
-    first = prefill(model, prompt_ids)[0]
-    if sampling.greedy:
-        tokens = [first.argmax(-1).item()]
-    else:
-        tokens = [torch.multinomial(sampling.probs(first), 1, generator=gen).item()]
+    tokens = [sampling.pick(prefill(model, prompt_ids)[0], gen).item()]
     on_tokens and on_tokens(tokens[-1:])
     context = list(prompt_ids) + tokens  # for output_ngrams
     steps, accepted_lengths = 0, []
@@ -509,8 +510,8 @@ def parse_args(argv):
     if args.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         ap.error("this GPU does not support bfloat16; use --dtype float16")
     W, N, G = default_config(device)
-    pick = lambda given, default: default if given is None else given  # noqa: E731
-    args.window, args.ngram, args.guesses = pick(args.window, W), pick(args.ngram, N), pick(args.guesses, G)
+    or_default = lambda given, default: default if given is None else given  # noqa: E731
+    args.window, args.ngram, args.guesses = or_default(args.window, W), or_default(args.ngram, N), or_default(args.guesses, G)
     for name, value, least in (("window", args.window, 1), ("ngram", args.ngram, 2), ("guesses", args.guesses, 0),
                                ("max-new-tokens", args.max_new_tokens, 1)):
         if value < least:
