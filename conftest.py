@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, fused_from
 
 SHARED = Path(__file__).resolve().parent.parent / "shared" / "models"
 REFERENCE = SHARED / "smollm2-135m-instruct" / "reference.json"
@@ -52,15 +52,15 @@ def hf_config(args: ModelArgs, model_type="llama", **extra) -> dict:
 
 
 def hf_state_dict(model: Transformer) -> dict:
-    """Our parameters under their Hugging Face names."""
+    """Our parameters under their Hugging Face names, fused projections split back apart."""
     state = {}
     for name, t in model.state_dict().items():
-        if name == "lm_head.weight":
-            if model.args.tie_word_embeddings:
-                continue
-            state[name] = t.contiguous()
-        else:
-            state["model." + name] = t.contiguous()
+        if name == "lm_head.weight" and model.args.tie_word_embeddings:
+            continue
+        parts = fused_from(name, model.args)
+        pieces = [t] if len(parts) == 1 else t.split([rows for _, rows in parts])
+        for (part, _), piece in zip(parts, pieces):
+            state[part if part == "lm_head.weight" else "model." + part] = piece.contiguous()
     return state
 
 

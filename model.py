@@ -97,16 +97,15 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x, cos, sin):
-    # Rotate-half RoPE pairs dimension i with i + head_dim/2. Meta's original weights pair
-    # neighbours (2i, 2i+1); Hugging Face's conversion permuted the rows of q_proj/k_proj so
-    # that rotate-half gives the same result. We load HF checkpoints, so no permutation here.
-    return x * cos + rotate_half(x) * sin
+    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1) for the
+    two halves of head_dim. That is roll(x, head_dim/2) with the first half negated; the sign is
+    folded into `sin` (see Transformer.rope), so q and k rotate together in four kernels.
+
+    Rotate-half pairs dimension i with i + head_dim/2. Meta's original weights pair neighbours
+    (2i, 2i+1); Hugging Face's conversion permuted the rows of q_proj/k_proj so that rotate-half
+    gives the same result. We load HF checkpoints, so no permutation here."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -117,29 +116,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # Normalise in float32 like the reference implementation, so bf16 runs round the same way.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class KVCache(nn.Module):
-    """Static K/V for one layer, (B, n_kv_heads, max_seq_len, head_dim). Batch 1 is all that
-    lookahead decoding needs: its parallelism is across positions, not sequences."""
-
-    def __init__(self, batch, n_kv_heads, max_seq_len, head_dim, dtype, device):
-        super().__init__()
-        shape = (batch, n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def write(self, slots, k, v):
-        self.k.index_copy_(2, slots, k)
-        self.v.index_copy_(2, slots, v)
-
-    def copy(self, src, dst):
-        # Advanced indexing gathers src first, so overlapping src/dst ranges are safe.
-        self.k[:, :, dst] = self.k[:, :, src]
-        self.v[:, :, dst] = self.v[:, :, src]
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -165,41 +142,47 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        bias = args.attention_bias
-        self.q_proj = Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
-        self.k_proj = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
-        self.v_proj = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        # q, k and v in one product (the checkpoint's three are stacked at load, see fused_from).
+        self.qkv_proj = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim,
+                               bias=args.attention_bias)
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.cache: KVCache | None = None
+        self.k_cache = self.v_cache = None  # (B, n_kv_heads, cache_len, head_dim) views of Transformer.kv_cache
 
-    def forward(self, x, cos, sin, slots=None, mask=None):
+    def forward(self, x, cos, sin, slots, attn_mask):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, hd)
+        qk = apply_rope(qkv[:, :, :H + Hkv], cos, sin)  # q and k heads rotated together
+        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, hd)
+        k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, hd)
+        v = qkv[:, :, H + Hkv:].transpose(1, 2)
         if slots is not None:
             # Write this step's K/V where the caller put them, then attend over the first S slots
             # (S = mask width): the rest of the cache is unused, so it costs nothing.
-            self.cache.write(slots, k, v)
-            S = mask.shape[-1]
-            k, v = self.cache.k[:, :, :S], self.cache.v[:, :, :S]  # (B, n_kv_heads, S, head_dim)
-        # Grouped-query attention: each K/V head serves n_heads / n_kv_heads query heads.
-        # enable_gqa repeats the K/V heads inside the kernel instead of copying the cache.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+            self.k_cache.index_copy_(2, slots, k)
+            self.v_cache.index_copy_(2, slots, v)
+            S = attn_mask.shape[-1]
+            k, v = self.k_cache[:, :, :S], self.v_cache[:, :, :S]  # (B, Hkv, S, hd)
+        # Grouped-query attention: K/V head j serves query heads j*group .. (j+1)*group - 1.
+        # Folding those heads into one longer query, (B, Hkv, group*T, hd), lets any SDPA kernel
+        # run GQA under a mask without copying K/V; the mask's rows are repeated per head to
+        # match (Transformer.forward).
+        group = H // Hkv
+        q = q.reshape(B, Hkv, group * T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, Hkv, group*T, hd)
+        y = y.view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = Linear(args.dim, args.hidden_dim, bias=False)
-        self.up_proj = Linear(args.dim, args.hidden_dim, bias=False)
+        self.gate_up_proj = Linear(args.dim, 2 * args.hidden_dim, bias=False)  # gate and up stacked
         self.down_proj = Linear(args.hidden_dim, args.dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -210,14 +193,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, slots, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
+    def forward(self, x, cos, sin, slots, attn_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
-    # Module names follow the Hugging Face checkpoint, less its "model." prefix, so loading
-    # needs no name mapping.
+    # Module names follow the Hugging Face checkpoint, less its "model." prefix, except for the
+    # stacked qkv_proj and gate_up_proj (fused_from maps those).
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -229,6 +212,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # float32 even in a bf16 model: positions in the thousands need the precision.
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.kv_cache = None  # (n_layers, 2, B, n_kv_heads, cache_len, head_dim), see setup_cache
         self.cache_len = 0  # slots in the KV cache; 0 = none set up
         self.committed = 0  # slots [0, committed) hold the K/V of the accepted sequence
 
@@ -241,12 +225,17 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def setup_cache(self, max_seq_len: int, batch: int = 1):
-        """Allocate the static KV cache once; every decode step writes into it in place."""
+        """Allocate the static KV cache once; every decode step writes into it in place.
+
+        One tensor holds every layer's K and V, (n_layers, 2, B, n_kv_heads, max_seq_len, head_dim),
+        so that `commit` moves the accepted tokens of all layers in one copy."""
         if max_seq_len > self.args.max_seq_len:
             raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
-        for layer in self.layers:
-            layer.self_attn.cache = KVCache(batch, self.args.n_kv_heads, max_seq_len, self.args.head_dim,
-                                            self.dtype, self.device)
+        a = self.args
+        self.kv_cache = torch.zeros(a.n_layers, 2, batch, a.n_kv_heads, max_seq_len, a.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        for layer, (k, v) in zip(self.layers, self.kv_cache):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
         self.cache_len, self.committed = max_seq_len, 0
 
     def commit(self, src_slots: list[int]):
@@ -259,9 +248,27 @@ class Transformer(nn.Module):
         if src_slots != list(range(start, start + n)):
             src = torch.tensor(src_slots, device=self.device)
             dst = torch.arange(start, start + n, device=self.device)
-            for layer in self.layers:
-                layer.self_attn.cache.copy(src, dst)
+            # index_select gathers before index_copy_ writes, so overlapping src/dst are safe.
+            self.kv_cache.index_copy_(4, dst, self.kv_cache.index_select(4, src))
         self.committed = start + n
+
+    def rope(self, positions):
+        """cos and sin for RoPE at these positions, (T, 1, head_dim), with rotate_half's sign in
+        sin (apply_rope). Computed once per forward for all layers, in float32."""
+        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, head_dim/2)
+        cos, sin = angles.cos(), angles.sin()
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return cos[:, None].to(self.dtype), sin[:, None].to(self.dtype)
+
+    def attention_mask(self, mask):
+        """The boolean (T, S) mask as SDPA's additive float mask, built once for all layers
+        (SDPA would convert a boolean one in every layer): rows repeated for the query heads
+        folded together in Attention, (group*T, S), and a row stride that is a multiple of 16,
+        which fused GPU attention kernels need to read it in place."""
+        group = self.args.n_heads // self.args.n_kv_heads
+        T, S = mask.shape
+        out = torch.full((group * T, -(-S // 16) * 16), float("-inf"), dtype=self.dtype, device=mask.device)
+        return out[:, :S].masked_fill_(mask.repeat(group, 1), 0.0)
 
     def forward(self, tokens, positions=None, slots=None, mask=None, rows=None):
         """tokens (B, T) -> logits (B, T, vocab).
@@ -275,14 +282,14 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device)
+            mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
         elif slots is None or mask is None:
             raise ValueError("positions, slots and mask go together")
-        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, head_dim/2)
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        cos, sin = self.rope(positions)
+        attn_mask = self.attention_mask(mask)
         x = self.embed_tokens(tokens)  # (B, T, dim)
         for layer in self.layers:
-            x = layer(x, cos, sin, slots, mask)
+            x = layer(x, cos, sin, slots, attn_mask)
         if rows is not None:
             x = x[:, rows]
         return self.lm_head(self.norm(x))
@@ -300,11 +307,15 @@ class Transformer(nn.Module):
 
         with torch.device("meta"):
             model = cls(args)
-        expected = {k: v.shape for k, v in model.state_dict().items()}
+        ours = {k: v.shape for k, v in model.state_dict().items()}
         if args.tie_word_embeddings:
-            del expected["lm_head.weight"]
+            del ours["lm_head.weight"]
+        expected = {}  # checkpoint name -> shape
+        for name, shape in ours.items():
+            for part, rows in fused_from(name, args):
+                expected[part] = shape if rows is None else (rows, *shape[1:])
 
-        state = {}
+        loaded = {}
         for file in files:
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for key in f.keys():
@@ -319,16 +330,34 @@ class Transformer(nn.Module):
                     if t.shape != expected[name]:
                         raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
                     dtype = dtype or t.dtype  # the checkpoint's own dtype unless asked otherwise
-                    state[name] = t.to(dtype)
-        missing = sorted(set(expected) - set(state))
+                    loaded[name] = t.to(dtype)
+        missing = sorted(set(expected) - set(loaded))
         if missing:
             raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        state = {}
+        for name in ours:  # popping as we stack keeps one extra copy of one group at most
+            parts = [loaded.pop(part) for part, _ in fused_from(name, args)]
+            state[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
         model.load_state_dict(state, strict=False, assign=True)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(args).to(device)
         return model.eval().requires_grad_(False)
+
+
+def fused_from(name: str, args: ModelArgs) -> list[tuple[str, int | None]]:
+    """The checkpoint tensors, (name, rows), that our tensor `name` stacks along dim 0.
+
+    Checkpoints store q/k/v and gate/up as separate projections; we multiply each group in one
+    product (fewer, larger kernels per layer). Every other tensor maps to itself: [(name, None)].
+    """
+    q, kv, hidden = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
+    for fused, parts in (("qkv_proj", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+                         ("gate_up_proj", (("gate_proj", hidden), ("up_proj", hidden)))):
+        if f".{fused}." in name:
+            return [(name.replace(fused, part), rows) for part, rows in parts]
+    return [(name, None)]
 
 
 def weight_files(path: Path) -> list[Path]:
