@@ -4,9 +4,10 @@
     python bench.py --configs 7,5,7 15,5,15 --device cuda --dtype bfloat16
     python bench.py --sweep --json results.json      # a grid of W,N,G
 
-For every configuration: tokens/s, steps, tokens per step, the speed-up over greedy (runs
-alternate greedy / lookahead per prompt, after a warm-up, median over --repeats), and whether
-the tokens equal greedy's (they must: "yes"). Prints a table and the machine it ran on.
+For every configuration: tokens/s, steps, tokens per step, the cost of a step against a greedy
+step, the speed-up over greedy (runs alternate greedy / lookahead per prompt, after a warm-up,
+median over --repeats), and whether the tokens equal greedy's (they must: "yes"). Prints a
+table and the machine it ran on.
 """
 import argparse
 import json
@@ -143,8 +144,11 @@ def main(argv=None):
                 if r == 0:
                     results[name].append((gen, gen.tokens == ref.tokens))
 
+    # speed-up = (greedy steps / steps) / step cost: what the algorithm saves in steps, divided
+    # by what a step costs against a greedy step (1.0 would mean the extra tokens were free).
     rows = []
     base = statistics.median(seconds["greedy"])
+    base_steps = sum(g.steps for g, _ in results["greedy"])
     for name in names:
         gens = results[name]
         tokens = sum(len(g.tokens) for g, _ in gens)
@@ -153,11 +157,13 @@ def main(argv=None):
         rows.append(dict(config=name, tokens=tokens, steps=steps,
                          tokens_per_step=sum(sum(g.accepted) for g, _ in gens) / max(steps, 1),
                          tokens_per_s=tokens / secs, speedup=base / secs,
+                         step_cost=(secs / max(steps, 1)) / (base / max(base_steps, 1)),
                          identical=all(same for _, same in gens)))
-    print(f"{'config (W,N,G)':>15} {'tokens/s':>9} {'steps':>6} {'tok/step':>9} {'speed-up':>9} {'same as greedy':>15}")
+    print(f"{'config (W,N,G)':>15} {'tokens/s':>9} {'steps':>6} {'tok/step':>9} {'step cost':>10} {'speed-up':>9} "
+          f"{'same as greedy':>15}")
     for row in rows:
         print(f"{row['config']:>15} {row['tokens_per_s']:9.1f} {row['steps']:6d} {row['tokens_per_step']:9.2f} "
-              f"{row['speedup']:8.2f}x {'yes' if row['identical'] else 'NO':>15}")
+              f"{row['step_cost']:9.2f}x {row['speedup']:8.2f}x {'yes' if row['identical'] else 'NO':>15}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(machine=machine(device), dtype=str(dtype), device=str(device),
                                                    max_new_tokens=n_new, repeats=args.repeats, rows=rows), indent=1))

@@ -409,3 +409,39 @@ def test_cli_resolves_a_hub_id_through_the_local_cache(tiny_checkpoint, tmp_path
     assert code == 0, err
     code, out, err = run_cli(capsys, "--model", "someone/not-cached", "--prompt", "w7 w8")
     assert code == 2 and "hf download someone/not-cached" in err and err.count("\n") == 1
+
+
+def test_bench_measures_and_checks_identity(tiny_checkpoint, tmp_path, capsys):
+    import bench
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w7 w8 w9 w7 w8", "chat": false}\n\n{"prompt": "w9 w9", "chat": true}\n')
+    out = tmp_path / "bench.json"
+    code = bench.main(["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--configs", "3,3,3", "1,4,1",
+                       "--max-new-tokens", "12", "--repeats", "2", "--json", str(out)])
+    table = capsys.readouterr().out
+    assert code == 0, table
+    result = json.loads(out.read_text())
+    assert [row["config"] for row in result["rows"]] == ["greedy", "3,3,3", "1,4,1"]
+    greedy, *lookahead = result["rows"]
+    assert all(row["identical"] and row["tokens"] == greedy["tokens"] for row in lookahead)
+    assert greedy["steps"] == greedy["tokens"] - 2 and greedy["step_cost"] == pytest.approx(1.0)
+    for row in lookahead:  # speed-up = (greedy steps / steps) / step cost, by definition
+        assert row["speedup"] == pytest.approx(greedy["steps"] / row["steps"] / row["step_cost"])
+    assert "threads, torch" in table and "same as greedy" in table and table.count("yes") == 3
+
+
+def test_bench_reports_a_wrong_decoder(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    import bench
+
+    def off_by_one(*args, **kwargs):  # a "lookahead" whose last token differs from greedy's
+        gen = lookahead_decode(*args, **kwargs)
+        gen.tokens[-1] += 1
+        return gen
+
+    monkeypatch.setattr(bench, "lookahead_decode", off_by_one)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w7 w8 w9", "chat": false}\n')
+    code = bench.main(["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--configs", "2,3,2",
+                       "--max-new-tokens", "6", "--repeats", "1"])
+    assert code == 1
+    assert capsys.readouterr().out.rstrip().endswith("NO")
