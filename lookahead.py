@@ -166,13 +166,14 @@ def sample_decode(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, t
 
 class NGramPool:
     """n-grams seen so far, keyed by their first token, at most `cap` per key, least recently
-    seen evicted first. A repeated n-gram moves to the most recent end instead of duplicating."""
+    seen evicted first. A repeated n-gram moves to the most recent end instead of duplicating.
+    Each n-gram also remembers the tokens seen right before it, to rank it (see get)."""
 
     def __init__(self, cap: int):
         self.cap = cap
-        self.by_key: dict[int, OrderedDict] = {}
+        self.by_key: dict[int, OrderedDict] = {}  # first token -> {rest of the n-gram: tokens before it}
 
-    def add(self, ngram):
+    def add(self, ngram, before=None):
         if self.cap == 0:
             return
         entries = self.by_key.setdefault(ngram[0], OrderedDict())
@@ -180,13 +181,25 @@ class NGramPool:
         if rest in entries:
             entries.move_to_end(rest)
         else:
-            entries[rest] = None
+            entries[rest] = set()
             if len(entries) > self.cap:
                 entries.popitem(last=False)
+        if before is not None:
+            entries[rest].add(before)
 
-    def get(self, key) -> list[tuple]:
-        """The continuations (the n-grams without their first token), most recent first."""
-        return list(reversed(self.by_key.get(key, ())))
+    def get(self, key, before=None) -> list[tuple]:
+        """The continuations of `key` (the n-grams without their first token): first those seen
+        after `before`, the token before `key` now, then the rest; most recent first in each.
+        Two tokens of context pick better than one when there are more n-grams than guesses to
+        verify (measured: the summary prompt commits 3.2 tokens per step at 1,4,1 instead of 2.1)."""
+        entries = list(reversed(self.by_key.get(key, {}).items()))
+        return ([rest for rest, seen in entries if before in seen]
+                + [rest for rest, seen in entries if before not in seen])
+
+
+# The pool keeps at least this many n-grams per key even when fewer are verified per step, so
+# that a small G (the CPU default verifies one) picks from several.
+POOL_MIN_PER_KEY = 8
 
 
 @lru_cache(maxsize=None)
@@ -343,10 +356,10 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
     window = [[rng.choice(prompt_ids) for _ in range(W)]]
     # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies
     # (step 6 below adds the n-grams of the committed text as it grows).
-    pool = NGramPool(G)
+    pool = NGramPool(max(G, POOL_MIN_PER_KEY) if G else 0)
     if prompt_ngrams:
         for i in range(len(prompt_ids) - N + 1):
-            pool.add(prompt_ids[i:i + N])
+            pool.add(prompt_ids[i:i + N], prompt_ids[i - 1] if i else None)
 
     gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
     tokens = [sampling.pick(prefill(model, prompt_ids)[0], gen).item()]
@@ -355,11 +368,13 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
     steps, accepted_lengths = 0, []
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         C, last = model.committed, tokens[-1]  # `last` sits at position and slot C
-        # 1. Shape the step. Candidates need not guess past max_new_tokens; near the end of
-        #    the cache the window sits out and candidates shrink to what still fits.
+        # 1. Shape the step. Candidates: pooled n-grams that start with `last`, those seen after
+        #    the same token as now first. They need not guess past max_new_tokens; near the end
+        #    of the cache the window sits out and candidates shrink to what still fits.
         budget = model.cache_len - C
         K = min(levels, max_new_tokens - len(tokens) - 1)
-        candidates = pool.get(last)[:G] if K > 0 else []
+        before = tokens[-2] if len(tokens) > 1 else prompt_ids[-1]  # the token before `last`
+        candidates = pool.get(last, before)[:G] if K > 0 else []
         L, w = len(window), W
         if 1 + W * L + len(candidates) * K > budget:
             L = w = 0
@@ -405,7 +420,8 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
         if w:
             if len(window) == levels:
                 for j in range(W):
-                    pool.add([level[j] for level in window] + [new_level[j]])
+                    # column j's trajectory continues level 0 after its column j-1
+                    pool.add([level[j] for level in window] + [new_level[j]], window[0][j - 1] if j else None)
                 window.pop(0)
             window.append(new_level)
 
@@ -419,7 +435,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
         if output_ngrams:
             context += new_tokens
             for end in range(max(N, len(context) - len(new_tokens) + 1), len(context) + 1):  # new n-grams
-                pool.add(context[end - N:end])
+                pool.add(context[end - N:end], context[end - N - 1] if end > N else None)
         steps += 1
         accepted_lengths.append(len(new_tokens))
         on_tokens and on_tokens(new_tokens)

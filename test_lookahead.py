@@ -98,6 +98,47 @@ def test_pool_cap_lru_and_refresh():
     assert empty.get(1) == []
 
 
+def test_pool_ranks_ngrams_seen_after_the_same_token_first():
+    pool = NGramPool(cap=4)
+    pool.add([1, 2, 3], before=7)
+    pool.add([1, 4, 5], before=8)
+    pool.add([1, 6, 7])  # before unknown (a window column 0, the prompt's start)
+    assert pool.get(1) == [(6, 7), (4, 5), (2, 3)]  # no context: most recent first
+    assert pool.get(1, before=7) == [(2, 3), (6, 7), (4, 5)]
+    assert pool.get(1, before=8) == [(4, 5), (6, 7), (2, 3)]
+    pool.add([1, 2, 3], before=8)  # seen after 8 as well now, and most recent
+    assert pool.get(1, before=8) == [(2, 3), (4, 5), (6, 7)]
+    assert pool.get(1, before=7) == [(2, 3), (6, 7), (4, 5)]
+
+
+def test_the_one_guess_is_the_ngram_seen_after_the_same_token():
+    # Only prompt n-grams in the pool (the window needs N-1 steps to fill; output n-grams off):
+    # each step must verify the latest prompt n-gram that starts with `last` and follows the
+    # token that precedes `last` now, else the latest one that starts with `last`.
+    model = random_model(seed=11, vocab_size=8)
+    N, picked_by_context = 6, 0
+    for seed in range(4):
+        prompt = [int(t) for t in torch.randint(0, 8, (40,), generator=torch.Generator().manual_seed(seed))]
+        steps = []
+        got = lookahead_decode(model, prompt, N, window=1, ngram=N, guesses=1, output_ngrams=False,
+                               on_step=steps.append)
+        assert got.tokens == greedy_decode(model, prompt, N).tokens
+        text, at = prompt + got.tokens, len(prompt)  # text[at] is the step's `last`
+        for s in steps:
+            last, before = text[at], text[at - 1]
+            starts = [i for i in range(len(prompt) - N + 1) if prompt[i] == last]
+            latest = {tuple(prompt[i + 1:i + N]): i for i in starts}  # each n-gram at its last sighting
+            after_before = [rest for rest in latest if any(prompt[i + 1:i + N] == list(rest) and i and
+                                                          prompt[i - 1] == before for i in starts)]
+            by_recency = sorted(latest, key=latest.get, reverse=True)
+            ranked = sorted(after_before, key=latest.get, reverse=True) + [r for r in by_recency if r not in after_before]
+            K = min(N - 1, N - (at - len(prompt) + 1) - 1)  # guesses need not pass max_new_tokens
+            assert s["candidates"] == ([ranked[0][:K]] if ranked and K else []), s
+            picked_by_context += bool(ranked) and ranked[0] != by_recency[0]
+            at += len(s["committed"])
+    assert picked_by_context  # the context changed the pick somewhere, so this tested it
+
+
 def test_rollback_leaves_the_cache_of_a_greedy_run():
     model = random_model(seed=7, vocab_size=8)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
