@@ -454,10 +454,10 @@ COLOURS = {2: "36", 3: "32", 4: "33", 5: "35"}
 def default_config(device) -> tuple[int, int, int]:
     """(W, N, G) by device type, chosen with bench.py (README, Performance).
 
-    A CPU step costs about one token's forward only while it holds a handful of tokens, so
-    the CPU gets a one-column window and a single candidate; a GPU step costs about the same
-    for hundreds of tokens, so it gets a wide window and many candidates."""
-    return (15, 5, 15) if torch.device(device).type == "cuda" else (1, 4, 1)
+    A CPU step costs about one token's forward only up to 4 tokens, so the CPU gets the last
+    token, a one-guess window and two one-token candidates; a GPU step costs about the same for
+    hundreds of tokens, so it gets a wide window and many candidates."""
+    return (15, 5, 15) if torch.device(device).type == "cuda" else (1, 2, 2)
 
 
 def default_dtype(device):

@@ -124,15 +124,21 @@ class Linear(nn.Linear):
 
     Decoding runs few tokens against large weights. As the small operand of MKL's sgemm the
     weights are packed (read, written, read again) on every call; as the large one they are
-    streamed once. On a 2-core AVX2 EPYC this makes the layers' products for 2 to 7 tokens cost
-    about what they cost for 1 token (1.5-2x otherwise), which is what lets lookahead pay off
-    on a CPU.
+    streamed once. On a 2-core AVX2 EPYC this makes the layers' products for 2 to 4 tokens cost
+    about what one token costs (F.linear takes 1.2-2.4x as long there), which is what lets
+    lookahead pay off on a CPU at all (README, Performance).
     """
 
     def forward(self, x):
         if x.device.type != "cpu":
             return super().forward(x)
-        y = torch.mm(self.weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()  # (B*T, out)
+        x2 = x.reshape(-1, x.shape[-1])  # (B*T, in)
+        n = x2.shape[0]
+        if n == 1:
+            # One token takes MKL's matrix-vector path, about 30% slower here than a product
+            # with two columns; so multiply the token twice and keep one copy.
+            x2 = torch.cat((x2, x2))
+        y = torch.mm(self.weight, x2.t())[:, :n].t().contiguous()  # (B*T, out)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], -1)
