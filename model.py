@@ -172,7 +172,7 @@ class Attention(nn.Module):
         # Grouped-query attention: K/V head j serves query heads j*group .. (j+1)*group - 1.
         # Folding those heads into one longer query, (B, Hkv, group*T, hd), lets any SDPA kernel
         # run GQA under a mask without copying K/V; the mask's rows are repeated per head to
-        # match (Transformer.forward).
+        # match (Transformer.attention_mask).
         group = H // Hkv
         q = q.reshape(B, Hkv, group * T, hd)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, Hkv, group*T, hd)
