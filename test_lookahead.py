@@ -112,7 +112,7 @@ def test_pool_ranks_ngrams_seen_after_the_same_token_first():
 
 
 def test_the_one_guess_is_the_ngram_seen_after_the_same_token():
-    # Only prompt n-grams in the pool (the window needs N-1 steps to fill; output n-grams off):
+    # Only prompt n-grams in the pool (N-1 steps pass before the window adds any; output n-grams off):
     # each step must verify the latest prompt n-gram that starts with `last` and follows the
     # token that precedes `last` now, else the latest one that starts with `last`.
     model = random_model(seed=11, vocab_size=8)
@@ -128,10 +128,9 @@ def test_the_one_guess_is_the_ngram_seen_after_the_same_token():
             last, before = text[at], text[at - 1]
             starts = [i for i in range(len(prompt) - N + 1) if prompt[i] == last]
             latest = {tuple(prompt[i + 1:i + N]): i for i in starts}  # each n-gram at its last sighting
-            after_before = [rest for rest in latest if any(prompt[i + 1:i + N] == list(rest) and i and
-                                                          prompt[i - 1] == before for i in starts)]
+            seen_after_before = {tuple(prompt[i + 1:i + N]) for i in starts if i and prompt[i - 1] == before}
             by_recency = sorted(latest, key=latest.get, reverse=True)
-            ranked = sorted(after_before, key=latest.get, reverse=True) + [r for r in by_recency if r not in after_before]
+            ranked = sorted(by_recency, key=lambda rest: rest not in seen_after_before)  # stable: recency within
             K = min(N - 1, N - (at - len(prompt) + 1) - 1)  # guesses need not pass max_new_tokens
             assert s["candidates"] == ([ranked[0][:K]] if ranked and K else []), s
             picked_by_context += bool(ranked) and ranked[0] != by_recency[0]
