@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from conftest import assert_matches_reference, hf_config, random_model, tiny_args, write_checkpoint
 from lookahead import greedy_decode
-from model import ModelArgs, Transformer, rope_inv_freq
+from model import Linear, ModelArgs, Transformer, rope_inv_freq
 from tokenizer import TextStream, Tokenizer
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -121,6 +121,19 @@ def ancestry(parents, i):
         path.append(i)
         i = parents[i]
     return path[::-1]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_linear_equals_f_linear_for_any_token_count(bias):
+    # On the CPU, Linear multiplies some token counts with copies added (model.CPU_COLUMNS);
+    # the copies must never leak into the result, whatever the count and batch shape.
+    torch.manual_seed(0)
+    layer = Linear(24, 40, bias=bias).double()
+    for n in range(1, 18):
+        x = torch.randn(2, n, 24, dtype=torch.float64)
+        for inp in (x, x[:1], x[0]):
+            torch.testing.assert_close(layer(inp), torch.nn.functional.linear(inp, layer.weight, layer.bias),
+                                       rtol=0, atol=1e-12)
 
 
 def test_scattered_slots_and_mask_equal_plain_forward():
