@@ -324,7 +324,7 @@ def verify_sampled(candidates, K, logits, sampling, rng, gen):
 
 @torch.inference_mode()
 def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guesses=7, stop_ids=(),
-                     seed=0, prompt_ngrams=True, output_ngrams=True, on_tokens=None,
+                     seed=0, prompt_ngrams=True, output_ngrams=True, jacobi_guess=True, on_tokens=None,
                      temperature=0.0, top_k=0, top_p=1.0, on_step=None) -> Generation:
     """Several tokens per forward: W window columns, n-grams of length N, at most G
     candidates verified per step. Greedy by default, and then the tokens equal greedy_decode's;
@@ -332,12 +332,15 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
 
     prompt_ngrams / output_ngrams: also pool the n-grams of the prompt / of the text committed
     so far (text that repeats itself or copies the prompt is then accepted whole).
+    jacobi_guess: when the pool has fewer than G candidates, also verify the model's own
+    predictions left over from the step before (step 4 below). window=0 runs no window at all:
+    the pool and that guess are then the only sources of candidates (the CPU default).
     on_tokens(new ids) is called as tokens are committed; on_step(dict) after each step with
     what it did (window, candidates, winner, accepted), for tracing."""
     W, N, G = window, ngram, guesses
     sampling = Sampling(temperature, top_k, top_p)
-    if W < 1 or N < 2 or G < 0:
-        raise ValueError(f"need window >= 1, ngram >= 2, guesses >= 0 (got {W}, {N}, {G})")
+    if W < 0 or N < 2 or G < 0:
+        raise ValueError(f"need window >= 0, ngram >= 2, guesses >= 0 (got {W}, {N}, {G})")
     start = time.perf_counter()
     max_new_tokens = check_request(model, prompt_ids, max_new_tokens)
     levels = N - 1  # a full window has N-1 levels; with the new prediction they make N-grams
@@ -353,7 +356,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
     # seeded, so runs repeat). It grows a level per step until it has N-1; verification does not
     # wait for it, since the pool already holds the prompt's n-grams.
     rng = random.Random(seed)
-    window = [[rng.choice(prompt_ids) for _ in range(W)]]
+    window = [[rng.choice(prompt_ids) for _ in range(W)]] if W else []
     # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies
     # (step 6 below adds the n-grams of the committed text as it grows).
     pool = NGramPool(max(G, POOL_MIN_PER_KEY) if G else 0)
@@ -364,17 +367,31 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
     gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
     tokens = [sampling.pick(prefill(model, prompt_ids)[0], gen).item()]
     on_tokens and on_tokens(tokens[-1:])
-    context = list(prompt_ids) + tokens  # for output_ngrams
+    context = list(prompt_ids)  # and the committed tokens, for output_ngrams
+
+    def pool_output(new_tokens):  # pool the n-grams that end in the new tokens
+        context.extend(new_tokens)
+        for end in range(max(N, len(context) - len(new_tokens) + 1), len(context) + 1):
+            pool.add(context[end - N:end], context[end - N - 1] if end > N else None)
+
+    if output_ngrams:
+        pool_output(tokens)
     steps, accepted_lengths = 0, []
+    jacobi = []  # the model's predictions left over from the last step (step 4)
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         C, last = model.committed, tokens[-1]  # `last` sits at position and slot C
         # 1. Shape the step. Candidates: pooled n-grams that start with `last`, those seen after
-        #    the same token as now first. They need not guess past max_new_tokens; near the end
-        #    of the cache the window sits out and candidates shrink to what still fits.
+        #    the same token as now first; in a slot they leave free, the Jacobi guess (step 4).
+        #    They need not guess past max_new_tokens; near the end of the cache the window sits
+        #    out and candidates shrink to what still fits.
         budget = model.cache_len - C
         K = min(levels, max_new_tokens - len(tokens) - 1)
         before = tokens[-2] if len(tokens) > 1 else prompt_ids[-1]  # the token before `last`
         candidates = pool.get(last, before)[:G] if K > 0 else []
+        pooled = len(candidates)
+        if jacobi and pooled < G and K > 0:
+            # Padded to K guesses with its last token: a guess only costs a slot, never exactness.
+            candidates.append(jacobi + jacobi[-1:] * (K - len(jacobi)))
         L, w = len(window), W
         if 1 + W * L + len(candidates) * K > budget:
             L = w = 0
@@ -409,10 +426,17 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
         #    slots lie past the committed length and are overwritten next step.
         first_cand_slot = C + 1 + w * L + best * K
         model.commit([C] + list(range(first_cand_slot, first_cand_slot + n_accepted)))
+        # The winner's rows after its first rejected guess predicted the tokens that follow what
+        # is committed now, from a context that is wrong in one token; as in Jacobi decoding,
+        # they are a guess for the next step, and often right (the pool is often empty for
+        # `last`; on the bench prompts at 0,4,1 this guess cuts the steps by a tenth).
+        #     winner     c0   c1   c2        accepted: c0 (= next_token), then bonus p1
+        #     predicts   p1   p2   p3        jacobi guess for the next step: [p2, p3]
+        jacobi = cand_pred[best * K + n_accepted:(best + 1) * K] if candidates and jacobi_guess else []
 
         if on_step:
             on_step(dict(step=steps, last=last, window=[list(l) for l in window[:L]], candidates=candidates,
-                         winner=best, accepted=n_accepted, committed=new_tokens))
+                         jacobi=len(candidates) > pooled, winner=best, accepted=n_accepted, committed=new_tokens))
 
         # 5. Jacobi update: the newest level's predictions become a new level; once the window
         #    is full, each column plus its prediction is an N-gram for the pool, and the
@@ -433,9 +457,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
                 break
         tokens += new_tokens
         if output_ngrams:
-            context += new_tokens
-            for end in range(max(N, len(context) - len(new_tokens) + 1), len(context) + 1):  # new n-grams
-                pool.add(context[end - N:end], context[end - N - 1] if end > N else None)
+            pool_output(new_tokens)
         steps += 1
         accepted_lengths.append(len(new_tokens))
         on_tokens and on_tokens(new_tokens)
@@ -455,9 +477,10 @@ def default_config(device) -> tuple[int, int, int]:
     """(W, N, G) by device type, chosen with bench.py (README, Performance).
 
     A CPU step costs about one token's forward only up to 4 tokens, so the CPU gets the last
-    token, a one-guess window and two one-token candidates; a GPU step costs about the same for
-    hundreds of tokens, so it gets a wide window and many candidates."""
-    return (15, 5, 15) if torch.device(device).type == "cuda" else (1, 2, 2)
+    token and one candidate of three guesses: a pooled 4-gram, else the Jacobi guess; a window
+    does not fit in that budget. A GPU step costs about the same for hundreds of tokens, so it
+    gets a wide window and many candidates."""
+    return (15, 5, 15) if torch.device(device).type == "cuda" else (0, 4, 1)
 
 
 def default_dtype(device):
@@ -498,7 +521,7 @@ def parse_args(argv):
     ap.add_argument("--prompt-file", help="read the prompt from this file")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--window", type=int, default=None, help="W: columns of the lookahead window")
+    ap.add_argument("--window", type=int, default=None, help="W: columns of the lookahead window (0: none)")
     ap.add_argument("--ngram", type=int, default=None, help="N: n-gram length (window levels + 1)")
     ap.add_argument("--guesses", type=int, default=None, help="G: candidates verified per step")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
@@ -528,7 +551,7 @@ def parse_args(argv):
     W, N, G = default_config(device)
     or_default = lambda given, default: default if given is None else given  # noqa: E731
     args.window, args.ngram, args.guesses = or_default(args.window, W), or_default(args.ngram, N), or_default(args.guesses, G)
-    for name, value, least in (("window", args.window, 1), ("ngram", args.ngram, 2), ("guesses", args.guesses, 0),
+    for name, value, least in (("window", args.window, 0), ("ngram", args.ngram, 2), ("guesses", args.guesses, 0),
                                ("max-new-tokens", args.max_new_tokens, 1)):
         if value < least:
             ap.error(f"--{name} must be at least {least}, got {value}")
@@ -572,7 +595,8 @@ def main(argv=None):
                 out.append(f"   window level {i}: " + " ".join(piece(t) for t in level))
             for g, cand in enumerate(step["candidates"]):
                 mark = f"<- {step['accepted']} accepted" if g == step["winner"] and step["accepted"] else ""
-                out.append(f"   candidate {g}: " + " ".join(piece(t) for t in cand) + f"  {mark}")
+                source = "jacobi guess" if step["jacobi"] and g == len(step["candidates"]) - 1 else f"candidate {g}"
+                out.append(f"   {source}: " + " ".join(piece(t) for t in cand) + f"  {mark}")
             if not step["candidates"]:
                 out.append("   no candidates start with the last token")
             out.append(f"   committed {len(step['committed'])}: {piece(step['committed'])}")

@@ -17,20 +17,23 @@ def test_lookahead_equals_greedy():
     """For random tiny models, prompts and (W, N, G): the same tokens as greedy decoding.
 
     Equality alone would pass a verifier that never accepts, so the run must also show
-    multi-token steps (tiny vocabularies and repetitive prompts make n-grams recur)."""
+    multi-token steps (tiny vocabularies and repetitive prompts make n-grams recur), and accepted
+    Jacobi guesses."""
     seen = Counter()
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 32), W=st.integers(1, 8), N=st.integers(2, 6),
+    @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 32), W=st.integers(0, 8), N=st.integers(2, 6),
            G=st.integers(0, 8), max_new=st.integers(1, 60), context=st.sampled_from([40, 64, 256]),
-           data=st.data())
-    def prop(seed, vocab, W, N, G, max_new, context, data):
+           jacobi_guess=st.booleans(), data=st.data())
+    def prop(seed, vocab, W, N, G, max_new, context, jacobi_guess, data):
         model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=context)
         motif = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6))
         prompt = (motif * 20)[:data.draw(st.integers(1, 30))]
         stop = data.draw(st.sampled_from([(), (0,), (vocab - 1, 3)]))
         expected = greedy_decode(model, prompt, max_new, stop).tokens
-        got = lookahead_decode(model, prompt, max_new, W, N, G, stop, seed=seed)
+        steps = []
+        got = lookahead_decode(model, prompt, max_new, W, N, G, stop, seed=seed, jacobi_guess=jacobi_guess,
+                               on_step=steps.append)
         assert got.tokens == expected
         assert sum(got.accepted) + 1 == len(got.tokens)
         assert max(got.accepted, default=1) <= N
@@ -38,10 +41,13 @@ def test_lookahead_equals_greedy():
         seen["multi"] += max(got.accepted, default=1) > 1
         seen["full"] += max(got.accepted, default=1) == N
         seen["near_context"] += len(prompt) + max_new + (W + G) * (N - 1) > context
+        jacobi_wins = [s for s in steps if s["jacobi"] and s["winner"] == len(s["candidates"]) - 1 and s["accepted"]]
+        assert jacobi_guess or not any(s["jacobi"] for s in steps)
+        seen["jacobi_accepted"] += bool(jacobi_wins)
 
     prop()
     assert seen["multi"] > seen["runs"] // 4, seen
-    assert seen["full"] > 0 and seen["near_context"] > 0, seen
+    assert seen["full"] > 0 and seen["near_context"] > 0 and seen["jacobi_accepted"] > 0, seen
 
 
 def trajectory_mask(W, L, G, K):
@@ -180,7 +186,7 @@ def test_reproducible_with_a_seed():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(window=0), "window"), (dict(ngram=1), "ngram"), (dict(guesses=-1), "guesses"),
+    (dict(window=-1), "window"), (dict(ngram=1), "ngram"), (dict(guesses=-1), "guesses"),
     (dict(prompt=[]), "empty"), (dict(prompt=[1] * 256), "context"), (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(prompt=[99]), "prompt ids"),
 ])
@@ -235,6 +241,36 @@ def chi_square_excess(samples, dist):
     z = 4.75  # one-sided normal quantile for 1e-6, through the Wilson-Hilferty approximation
     critical = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
     return stat, critical
+
+
+def test_the_jacobi_guess_is_what_the_model_predicted_after_the_first_rejected_guess():
+    # No window, one candidate: a step verifies a pooled n-gram when the text so far has one
+    # that starts with `last`, else the last step's leftover predictions, which are recomputed
+    # here with plain forwards: those after the winner's first rejected guess.
+    model = random_model(seed=5, vocab_size=32)  # 32 tokens: the pool is often empty for `last`
+    N, max_new = 4, 40
+    jacobi_steps = jacobi_accepted = 0
+    for seed in range(6):
+        prompt = [int(t) for t in torch.randint(0, 32, (12,), generator=torch.Generator().manual_seed(seed))]
+        steps = []
+        got = lookahead_decode(model, prompt, max_new, window=0, ngram=N, guesses=1, on_step=steps.append)
+        assert got.tokens == greedy_decode(model, prompt, max_new).tokens
+        text, at, leftover = prompt + got.tokens, len(prompt), []  # text[at] is the step's `last`
+        for s in steps:
+            pooled = any(text[i] == text[at] for i in range(at + 2 - N))  # an n-gram ends by `last`
+            K = min(N - 1, max_new - (at - len(prompt) + 1) - 1)
+            assert s["jacobi"] == (not pooled and bool(leftover) and K > 0), s
+            if s["jacobi"]:
+                assert s["candidates"] == [(leftover + leftover[-1:] * K)[:K]]
+                jacobi_steps += 1
+                jacobi_accepted += s["accepted"] > 0
+            leftover = []
+            if s["candidates"]:
+                cand, n = list(s["candidates"][s["winner"]]), s["accepted"]
+                preds = model(torch.tensor([text[:at + 1] + cand]))[0].argmax(-1).tolist()
+                leftover = preds[at + 1 + n:]  # the predictions after cand[n], cand[n+1], ...
+            at += len(s["committed"])
+    assert jacobi_steps > 10 and jacobi_accepted > 0, (jacobi_steps, jacobi_accepted)
 
 
 def sampling_case():
@@ -365,11 +401,16 @@ def test_cli_generates_and_compares(tiny_checkpoint, capsys):
 
 def test_cli_show_is_plain_off_a_terminal_and_trace_shows_the_step(tiny_checkpoint, capsys):
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8",
-                             "--max-new-tokens", "20", "--show", "--trace", "2")
+                             "--max-new-tokens", "20", "--show", "--trace", "2", "--window", "2", "--ngram", "3")
     assert code == 0, err
     assert "\033[" not in out  # stdout is not a terminal here
     assert "-- step 1" in err and "-- step 2" in err and "-- step 3" not in err
     assert "window level 0" in err and "committed" in err
+    # The CPU default has no window; after a step with a candidate, its leftover is the Jacobi guess.
+    code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w20 w21 w20 w21",
+                             "--max-new-tokens", "20", "--trace", "20", "--device", "cpu")
+    assert code == 0, err
+    assert "window level" not in err and "jacobi guess:" in err
 
 
 def test_cli_sampling(tiny_checkpoint, capsys):
