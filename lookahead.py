@@ -9,7 +9,7 @@ would have produced, so the output is unchanged; a step just commits up to N tok
 
 Read it top to bottom: Generation; greedy_decode and sample_decode (the baselines); NGramPool;
 step_layout (the attention mask); verify_greedy and verify_sampled; lookahead_decode (window,
-pool, one forward, verify, commit/rollback); the command line.
+pool, one forward, verify, commit/rollback, the Jacobi guess); the command line.
 """
 import argparse
 import os
@@ -336,7 +336,8 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
     predictions left over from the step before (step 4 below). window=0 runs no window at all:
     the pool and that guess are then the only sources of candidates (the CPU default).
     on_tokens(new ids) is called as tokens are committed; on_step(dict) after each step with
-    what it did (window, candidates, winner, accepted), for tracing."""
+    what it did (window, candidates, whether the last one is the Jacobi guess, winner,
+    accepted), for tracing."""
     W, N, G = window, ngram, guesses
     sampling = Sampling(temperature, top_k, top_p)
     if W < 0 or N < 2 or G < 0:

@@ -119,12 +119,14 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-# MKL's sgemm with few columns is fastest at some column counts: SmolLM2's 30 layers of products,
-# time against 2 columns, on the 2-core AVX2 EPYC of the README (W @ x^T, median of 20):
-#     columns  1     2     3     4     5     6     7     8     12    16
-#     time     1.04  1.00  1.45  1.01  1.42  1.73  2.21  1.86  2.43  1.88
-# So 1 column is multiplied as 2, 3 as 4, 7 as 8 and 9 to 15 as 16.
-CPU_COLUMNS = {1: 2, 3: 4, 7: 8}
+def cpu_columns(n: int) -> int:
+    """How many columns to multiply n tokens as on the CPU: MKL's sgemm with few columns is
+    cheaper at some counts than at fewer. SmolLM2's 30 layers of products, time against 2
+    columns, on the 2-core AVX2 EPYC of the README (W @ x^T, median of 20):
+        columns  1     2     3     4     5     6     7     8     12    16
+        time     1.04  1.00  1.45  1.01  1.42  1.73  2.21  1.86  2.43  1.88
+    (1 column: 1.04-1.3 in other runs.) So 1 is multiplied as 2, 3 as 4, 7 as 8, 9-15 as 16."""
+    return {1: 2, 3: 4, 7: 8}.get(n, 16 if 8 < n < 16 else n)
 
 
 class Linear(nn.Linear):
@@ -142,8 +144,8 @@ class Linear(nn.Linear):
             return super().forward(x)
         x2 = x.reshape(-1, x.shape[-1])  # (B*T, in)
         n = x2.shape[0]
-        m = CPU_COLUMNS.get(n, 16 if 8 < n < 16 else n)
-        if m > n:  # multiply a few more columns (copies of the first), which is cheaper
+        m = cpu_columns(n)
+        if m > n:  # a few more columns (copies of the first, dropped after) cost less
             x2 = torch.cat((x2, x2[:1].expand(m - n, -1)))
         y = torch.mm(self.weight, x2.t())[:, :n].t().contiguous()  # (B*T, out)
         if self.bias is not None:

@@ -125,7 +125,7 @@ def ancestry(parents, i):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_linear_equals_f_linear_for_any_token_count(bias):
-    # On the CPU, Linear multiplies some token counts with copies added (model.CPU_COLUMNS);
+    # On the CPU, Linear multiplies some token counts with copies added (model.cpu_columns);
     # the copies must never leak into the result, whatever the count and batch shape.
     torch.manual_seed(0)
     layer = Linear(24, 40, bias=bias).double()
