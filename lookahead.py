@@ -198,7 +198,7 @@ class NGramPool:
 
 
 # The pool keeps at least this many n-grams per key even when fewer are verified per step, so
-# that a small G (the CPU default verifies two) picks from several.
+# that a small G (the CPU default verifies one) picks from several.
 POOL_MIN_PER_KEY = 8
 
 
