@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lookahead import DTYPES, default_config, default_dtype, greedy_decode, lookahead_decode
+from lookahead import DTYPES, StepCosts, default_dtype, greedy_decode, lookahead_decode
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -39,6 +39,8 @@ PROMPTS = [
     ("code", True, "Write a Python function that checks whether a number is prime."),
     ("summary", True, f"Summarise this text in two sentences:\n\n{SUMMARY_TEXT}"),
     ("story", False, "Once upon a time, in a small village by the sea,"),
+    ("prose", True, "Explain the difference between a list and a tuple in Python."),
+    ("code", True, "Write a JSON object that describes a book: title, author, year and three keywords."),
 ]
 
 SWEEP = [(w, n, g) for n in (3, 4, 5) for w in (1, 3, 7, 15) for g in (1, 3, 7, 15)]
@@ -56,10 +58,12 @@ def machine(device: torch.device) -> str:
 
 
 def parse_config(text: str):
+    if text == "dynamic":
+        return None
     try:
         w, n, g = (int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a configuration is W,N,G (e.g. 7,5,7), not {text!r}")
+        raise argparse.ArgumentTypeError(f"a configuration is W,N,G (e.g. 7,5,7) or dynamic, not {text!r}")
     return w, n, g
 
 
@@ -92,7 +96,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint folder (default: ../shared/models/smollm2.py's)")
     ap.add_argument("--configs", nargs="+", type=parse_config, default=None,
-                    help="W,N,G configurations (default: the device's default)")
+                    help="W,N,G configurations or `dynamic` (default: dynamic)")
+    ap.add_argument("--flat-cost", action="store_true",
+                    help="the dynamic shape assumes every step size costs the same (what it does where steps are free)")
     ap.add_argument("--sweep", action="store_true", help=f"run a grid of {len(SWEEP)} configurations")
     ap.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "chat": true}')
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -100,6 +106,7 @@ def main(argv=None):
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", choices=DTYPES, default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--per-prompt", action="store_true", help="also print the speed-up of every prompt")
     args = ap.parse_args(argv)
 
     path = args.model
@@ -113,13 +120,16 @@ def main(argv=None):
     tokenizer = Tokenizer.from_pretrained(path)
     prompts = load_prompts(args.prompts, tokenizer)
     stop = tokenizer.stop_ids
-    configs = SWEEP if args.sweep else args.configs or [default_config(device)]
+    configs = [None] + SWEEP if args.sweep else args.configs or [None]
+    costs = StepCosts.flat() if args.flat_cost else None
     n_new = args.max_new_tokens
 
     def greedy(ids):
         return greedy_decode(model, ids, n_new, stop)
 
     def lookahead(ids, cfg):
+        if cfg is None:
+            return lookahead_decode(model, ids, n_new, stop_ids=stop, costs=costs)
         return lookahead_decode(model, ids, n_new, *cfg, stop_ids=stop)
 
     print(f"# {machine(device)}, {str(dtype).removeprefix('torch.')}, {len(prompts)} prompts x {n_new} tokens, "
@@ -129,18 +139,21 @@ def main(argv=None):
 
     # seconds[name][repeat] summed over prompts; greedy and each config alternate per prompt so
     # that drifts in machine speed hit all of them alike.
-    names = ["greedy"] + [",".join(map(str, c)) for c in configs]
+    names = ["greedy"] + ["dynamic" if c is None else ",".join(map(str, c)) for c in configs]
     seconds = {name: [0.0] * args.repeats for name in names}
+    per_prompt = {name: [[] for _ in prompts] for name in names}  # [prompt][repeat] seconds
     results = {name: [] for name in names}
     for r in range(args.repeats):
-        for ids in prompts:
+        for i, ids in enumerate(prompts):
             ref = timed(lambda: greedy(ids), device)
             seconds["greedy"][r] += ref.seconds
+            per_prompt["greedy"][i].append(ref.seconds)
             if r == 0:
                 results["greedy"].append((ref, True))
             for name, cfg in zip(names[1:], configs):
                 gen = timed(lambda: lookahead(ids, cfg), device)
                 seconds[name][r] += gen.seconds
+                per_prompt[name][i].append(gen.seconds)
                 if r == 0:
                     results[name].append((gen, gen.tokens == ref.tokens))
 
@@ -154,16 +167,26 @@ def main(argv=None):
         tokens = sum(len(g.tokens) for g, _ in gens)
         steps = sum(g.steps for g, _ in gens)
         secs = statistics.median(seconds[name])
-        rows.append(dict(config=name, tokens=tokens, steps=steps,
+        speedups = [statistics.median(g) / statistics.median(s) for g, s in zip(per_prompt["greedy"], per_prompt[name])]
+        rows.append(dict(config=name, tokens=tokens, steps=steps, prompt_speedups=speedups,
                          tokens_per_step=sum(sum(g.accepted) for g, _ in gens) / max(steps, 1),
                          tokens_per_s=tokens / secs, speedup=base / secs,
                          step_cost=(secs / max(steps, 1)) / (base / max(base_steps, 1)),
                          identical=all(same for _, same in gens)))
     print(f"{'config (W,N,G)':>15} {'tokens/s':>9} {'steps':>6} {'tok/step':>9} {'step cost':>10} {'speed-up':>9} "
-          f"{'same as greedy':>15}")
+          f"{'per prompt: median':>19} {'worst':>6} {'same as greedy':>15}")
     for row in rows:
+        ps = row["prompt_speedups"]
         print(f"{row['config']:>15} {row['tokens_per_s']:9.1f} {row['steps']:6d} {row['tokens_per_step']:9.2f} "
-              f"{row['step_cost']:9.2f}x {row['speedup']:8.2f}x {'yes' if row['identical'] else 'NO':>15}")
+              f"{row['step_cost']:9.2f}x {row['speedup']:8.2f}x {statistics.median(ps):18.2f}x {min(ps):5.2f}x "
+              f"{'yes' if row['identical'] else 'NO':>15}")
+    if args.per_prompt:
+        print(f"\nspeed-up per prompt (median of {args.repeats}) / tokens per step")
+        print(f"{'prompt':>8} " + " ".join(f"{row['config']:>15}" for row in rows[1:]))
+        for i in range(len(prompts)):
+            print(f"{i + 1:>8} " + " ".join(
+                f"{row['prompt_speedups'][i]:7.2f}x {sum(results[row['config']][i][0].accepted) / max(results[row['config']][i][0].steps, 1):6.2f}"
+                for row in rows[1:]))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(machine=machine(device), dtype=str(dtype), device=str(device),
                                                    max_new_tokens=n_new, repeats=args.repeats, rows=rows), indent=1))

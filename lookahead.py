@@ -12,11 +12,14 @@ step_layout (the attention mask); verify_greedy and verify_sampled; lookahead_de
 pool, one forward, verify, commit/rollback, the Jacobi guess); the command line.
 """
 import argparse
+import math
 import os
 import random
 import sys
+import statistics
 import time
-from collections import Counter, OrderedDict
+import weakref
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -31,6 +34,7 @@ class Generation:
     steps: int  # forward passes after the prefill
     seconds: float  # wall time, prefill included
     accepted: list[int] = field(default_factory=list)  # tokens committed by each step
+    shapes: list = field(default_factory=list)  # lookahead: each step's Shape
 
     @property
     def tokens_per_step(self) -> float:
@@ -167,13 +171,14 @@ def sample_decode(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, t
 class NGramPool:
     """n-grams seen so far, keyed by their first token, at most `cap` per key, least recently
     seen evicted first. A repeated n-gram moves to the most recent end instead of duplicating.
-    Each n-gram also remembers the tokens seen right before it, to rank it (see get)."""
+    Each n-gram also remembers the tokens seen right before it, to rank it (see get), and
+    whether the lookahead window produced it (the dynamic shape credits the window for it)."""
 
     def __init__(self, cap: int):
         self.cap = cap
-        self.by_key: dict[int, OrderedDict] = {}  # first token -> {rest of the n-gram: tokens before it}
+        self.by_key: dict[int, OrderedDict] = {}  # first token -> {rest: [tokens before it, from window?]}
 
-    def add(self, ngram, before=None):
+    def add(self, ngram, before=None, from_window=False):
         if self.cap == 0:
             return
         entries = self.by_key.setdefault(ngram[0], OrderedDict())
@@ -181,183 +186,442 @@ class NGramPool:
         if rest in entries:
             entries.move_to_end(rest)
         else:
-            entries[rest] = set()
+            entries[rest] = [set(), from_window]
             if len(entries) > self.cap:
                 entries.popitem(last=False)
         if before is not None:
-            entries[rest].add(before)
+            entries[rest][0].add(before)
 
     def get(self, key, before=None) -> list[tuple]:
         """The continuations of `key` (the n-grams without their first token): first those seen
         after `before`, the token before `key` now, then the rest; most recent first in each.
         Two tokens of context pick better than one when there are more n-grams than guesses to
         verify (measured: the summary prompt commits 3.2 tokens per step at 1,4,1 instead of 2.1)."""
-        entries = list(reversed(self.by_key.get(key, {}).items()))
-        return ([rest for rest, seen in entries if before in seen]
-                + [rest for rest, seen in entries if before not in seen])
+        return [rest for rest, _, _ in self.ranked(key, before)]
+
+    def ranked(self, key, before=None) -> list[tuple]:
+        """get's order, each as (rest, seen after `before`?, from the window?)."""
+        entries = [(rest, before in seen, win) for rest, (seen, win) in reversed(self.by_key.get(key, {}).items())]
+        return [e for e in entries if e[1]] + [e for e in entries if not e[1]]
 
 
 # The pool keeps at least this many n-grams per key even when fewer are verified per step, so
-# that a small G (the CPU default verifies one) picks from several.
+# that a small G picks from several.
 POOL_MIN_PER_KEY = 8
 
 
+class Tree:
+    """The guesses of one step: candidate continuations of `last` merged into a trie.
+
+    Node 0 is `last`; every other node is a guessed token whose context is its chain of
+    ancestors, at position C + depth. Candidates that share a prefix share its nodes, so a
+    step verifies all of them for the price of their distinct tokens:
+
+        candidates  a b c  |  a b d  |  a e f  |  g h i        last
+                                                            /        \\
+        trie                                               a           g
+                                                         /   \\         \\
+                                                        b     e         h
+                                                       / \\     \\         \\
+                                                      c   d     f         i
+
+    Children keep the candidates' order (dicts keep insertion order), so the first child is
+    the best-ranked candidate through a node."""
+
+    def __init__(self, last: int):
+        self.tokens, self.parent, self.depth = [last], [-1], [0]
+        self.children: list[dict] = [{}]  # node -> {token: child node}
+        self.kind = [None]  # "context", "pool" or "jacobi": the source of the first candidate through it
+        self.from_window = [False]
+        self.chains: list[tuple] = []  # the candidates as given, for tracing
+
+    def add(self, chain, kind="pool", from_window=False):
+        v = 0
+        for tok in chain:
+            child = self.children[v].get(tok)
+            if child is None:
+                child = len(self.tokens)
+                self.children[v][tok] = child
+                self.tokens.append(tok)
+                self.parent.append(v)
+                self.depth.append(self.depth[v] + 1)
+                self.children.append({})
+                self.kind.append(kind)
+                self.from_window.append(from_window)
+            v = child
+        if chain:
+            self.chains.append((tuple(chain), kind))
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def rank(self, node) -> int:
+        """0 for the first child of its parent, 1 for the second, ..."""
+        return list(self.children[self.parent[node]].values()).index(node)
+
+    def keep(self, nodes) -> "Tree":
+        """The sub-trie of these nodes (closed under parents), rebuilt in candidate order."""
+        keep = set(nodes) | {0}
+        out = Tree(self.tokens[0])
+        for chain, kind in self.chains:
+            v, kept = 0, []
+            for tok in chain:
+                v = self.children[v][tok]
+                if v not in keep:
+                    break
+                kept.append(tok)
+            out.add(kept, kind)
+        for i in range(1, len(out)):  # a node keeps the source it had in the full trie
+            src = self.node(out.path(i))
+            out.kind[i], out.from_window[i] = self.kind[src], self.from_window[src]
+        return out
+
+    def path(self, node) -> list[int]:
+        """The tokens from `last` (excluded) down to node."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parent[node]
+        return out[::-1]
+
+    def node(self, tokens) -> int:
+        v = 0
+        for tok in tokens:
+            v = self.children[v][tok]
+        return v
+
+    def first_chain(self, node) -> list[int]:
+        """Node, its first child, that one's first child, ...: the best-ranked candidate's rest."""
+        out = [node]
+        while self.children[out[-1]]:
+            out.append(next(iter(self.children[out[-1]].values())))
+        return out
+
+
 @lru_cache(maxsize=None)
-def step_layout(W: int, L: int, G: int, K: int):
-    """Token layout of one lookahead step and its attention mask, built once per shape.
+def window_layout(W: int, L: int):
+    """The window's part of a step's mask, built once per shape: (W*L, 1 + W*L) over [last, window].
 
-    The step runs T = 1 + W*L + G*K tokens: the last committed token, a window of L levels of
-    W guesses, and G candidate n-grams of K guessed tokens each. Every token sees the whole
-    committed cache (not drawn) and, inside the step, exactly the tokens of its own trajectory.
-    W=3, L=2 (N=3), G=2, K=2; 'x' = may attend, rows attend to columns:
+    Row r = (level l, column j) attends to `last`, to level 0 up to column j, and to its own
+    column up to level l; it stands at position C + 1 + j + l. W=3, L=2; 'x' = may attend:
 
-                      last  level 0   level 1   cand 0  cand 1     position
-                       .   a0 a1 a2  b0 b1 b2   c0 c1   d0 d1      (C + ...)
-        last       .   x                                              0
-        level 0    a0  x   x                                          1
-                   a1  x   x  x                                       2
-                   a2  x   x  x  x                                    3
-        level 1    b0  x   x         x                                2
-                   b1  x   x  x         x                             3
-                   b2  x   x  x  x         x                          4
-        cand 0     c0  x                        x                     1
-                   c1  x                        x  x                  2
-        cand 1     d0  x                                x             1
-                   d1  x                                x  x          2
+                      last  level 0   level 1      position
+                       .   a0 a1 a2  b0 b1 b2      (C + ...)
+        level 0    a0  x   x                          1
+                   a1  x   x  x                       2
+                   a2  x   x  x  x                    3
+        level 1    b0  x   x         x                2
+                   b1  x   x  x         x             3
+                   b2  x   x  x  x         x          4
 
-    Level 0 is a guessed continuation of `last` (a causal run). The token in level l, column
-    j was predicted from level l-1, column j one step ago, so its trajectory is level 0 up to
-    column j, then its own column up to level l; it stands at position C + 1 + j + l. Each
-    candidate is a guessed continuation of `last` on its own. The branches never see each
-    other, so one forward computes them as if each ran alone.
-
-    Returns (mask (T, T) bool, position offsets (T,), rows): rows are the tokens whose logits
-    are read: `last`, the newest level (its predictions form the next level) and the
-    candidates. With candidates last, fewer than G candidates use the leading sub-block.
-    """
-    T = 1 + W * L + G * K
-    mask = torch.zeros(T, T, dtype=torch.bool)
-    offsets = torch.zeros(T, dtype=torch.long)
+    Level 0 is a guessed continuation of `last` (a causal run). The token in level l, column j
+    was predicted from level l-1, column j one step ago, so its trajectory is level 0 up to
+    column j, then its own column up to level l. Returns (mask, position offsets)."""
+    mask = torch.zeros(W * L, 1 + W * L, dtype=torch.bool)
+    offsets = torch.zeros(W * L, dtype=torch.long)
     mask[:, 0] = True
     for level in range(L):
         for j in range(W):
-            r = 1 + level * W + j
+            r = level * W + j
             mask[r, 1:2 + j] = True  # level 0, columns 0..j
             for up in range(1, level + 1):
                 mask[r, 1 + up * W + j] = True  # own column, levels 1..level
             offsets[r] = 1 + j + level
-    for g in range(G):
-        first = 1 + W * L + g * K
-        for t in range(K):
-            mask[first + t, first:first + t + 1] = True
-            offsets[first + t] = 1 + t
-    newest = range(1 + (L - 1) * W, 1 + L * W) if L else range(0)
-    rows = torch.tensor([0, *newest, *range(1 + W * L, T)])
-    return mask, offsets, rows
+    return mask, offsets
 
 
-def verify_greedy(candidates, K, next_token, cand_pred):
-    """Greedy verification -> (winning candidate, guesses accepted, tokens to commit).
-
-    The model's own token for guess t of candidate g is next_token for t = 0, else its
-    prediction after guess t-1 (cand_pred[g*K + t-1]). Accept the longest prefix of guesses
-    that match, plus the model's token after it: a bonus the forward already computed."""
-    best, best_len = 0, 0
-    for g, cand in enumerate(candidates):
-        n = 0
-        while n < K and cand[n] == (next_token if n == 0 else cand_pred[g * K + n - 1]):
-            n += 1
-        if n > best_len:
-            best, best_len = g, n
-    if not best_len:
-        return 0, 0, [next_token]
-    return best, best_len, list(candidates[best][:best_len]) + [cand_pred[best * K + best_len - 1]]
+def step_size(n: int) -> int:
+    """The menu of step shapes: a step of n tokens runs padded to the next power of two, so a
+    decoder sees few distinct shapes (a cost estimate per shape; one compiled graph per shape)."""
+    return 1 << (n - 1).bit_length()
 
 
-def verify_sampled(candidates, K, logits, sampling, rng, gen):
-    """Lossless verification under sampling -> (winning candidate, guesses accepted, tokens).
+def step_inputs(tree: Tree, window, w: int, size: int, C: int, dev):
+    """Tokens, positions and the (size, size) in-step mask of one step laid out as
 
-    Speculative sampling with one-hot drafts, position by position. With p the model's
-    distribution at the current position, try the distinct guesses d1, d2, ... there in turn:
-    accept d_i with probability p(d_i) / (1 - p(d1) - ... - p(d_i-1)), i.e. p renormalised
-    after zeroing the rejected ones. Token d_i then comes out with probability
+        [ tree: last, guesses | window: w columns x L levels | padding ]
+
+    Padding tokens attend only to themselves and their rows are never read."""
+    n, L = len(tree), len(window) if w else 0
+    T = n + w * L
+    block = torch.zeros(size, size, dtype=torch.bool)
+    rows, cols = [], []
+    ancestors = [[0]]
+    for i in range(1, n):  # a guess sees its ancestors and itself
+        ancestors.append(ancestors[tree.parent[i]] + [i])
+        rows += [i] * len(ancestors[i])
+        cols += ancestors[i]
+    block[0, 0] = True
+    if rows:
+        block[rows, cols] = True
+    offsets = torch.zeros(size, dtype=torch.long)
+    offsets[:n] = torch.tensor(tree.depth)
+    seq = tree.tokens + [t for level in window[:L] for t in level[:w]] + [0] * (size - T)
+    if L:
+        wmask, woffsets = window_layout(w, L)
+        block[n:T, 0] = wmask[:, 0]
+        block[n:T, n:T] = wmask[:, 1:]
+        offsets[n:T] = woffsets
+    pad = torch.arange(T, size)
+    block[pad, pad] = True
+    return torch.tensor([seq], device=dev), (C + offsets).to(dev), block.to(dev)
+
+
+def verify_greedy(tree: Tree, pred) -> tuple[list[int], int]:
+    """Greedy verification -> (accepted nodes, bonus token).
+
+    pred[i] is the model's own next token after node i. From `last`, follow the child whose
+    token the model predicted, as long as there is one: those guesses are exactly what greedy
+    decoding would produce, and the prediction after the last of them is a bonus token the
+    forward already computed."""
+    path, v = [], 0
+    while (child := tree.children[v].get(pred[v])) is not None:
+        path.append(child)
+        v = child
+    return path, pred[v]
+
+
+def verify_sampled(tree: Tree, probs, rng, gen) -> tuple[list[int], int]:
+    """Lossless verification under sampling -> (accepted nodes, the next sampled token).
+
+    Speculative sampling with one-hot drafts, node by node down the trie. With p the model's
+    distribution after node v, try v's children d1, d2, ... in turn: accept d_i with probability
+    p(d_i) / (1 - p(d1) - ... - p(d_i-1)), i.e. p renormalised after zeroing the rejected ones.
+    Token d_i then comes out with probability
         (1 - S_i) * p(d_i) / (1 - S_i) = p(d_i),   S_i = p(d1) + ... + p(d_i-1)
     (the product of the rejection probabilities before it telescopes to 1 - S_i), and when all
     are rejected the residual is sampled, so every token x comes out with probability p(x).
-    After an acceptance only the candidates that agree continue, with the model's
-    distribution given that prefix; every committed token is distributed as plain sampling.
-    logits: (1 + len(candidates)*K, V): the row after `last`, then each guess's row."""
-    probs = sampling.probs(logits)
-
-    def row(g, t):  # the row holding the distribution for position t along candidate g
-        return 0 if t == 0 else 1 + g * K + t - 1
-
-    n = len(candidates)
-    if n:  # p[g][t][h] = probability, in candidate g's distribution at t, of candidate h's guess
-        cand = torch.tensor(candidates, device=probs.device)  # (n, K)
-        rows = torch.tensor([[row(g, t) for t in range(K)] for g in range(n)], device=probs.device)
-        p = probs[rows[:, :, None], cand.T[None, :, :]].tolist()  # (n, K, n)
-    alive, t = list(range(n)), 0
-    while t < K and alive:
-        g = alive[0]
-        rejected, mass, accepted = [], 0.0, None
-        for tok in dict.fromkeys(candidates[h][t] for h in alive):
-            h = next(h for h in alive if candidates[h][t] == tok)
-            if rng.random() * max(1.0 - mass, 1e-12) < p[g][t][h]:
-                accepted = tok
+    After an acceptance the walk continues from that child, with the model's distribution given
+    that prefix: every committed token is distributed as plain sampling's.
+    probs: (len(tree), V), row i the distribution after node i."""
+    p_own = [1.0]  # p_own[i]: probability of node i's token under its parent's distribution
+    if len(tree) > 1:
+        p_own += probs[tree.parent[1:], tree.tokens[1:]].tolist()  # one host sync for all guesses
+    path, v = [], 0
+    while tree.children[v]:
+        mass, rejected, accepted = 0.0, [], None
+        for tok, child in tree.children[v].items():
+            if rng.random() * max(1.0 - mass, 1e-12) < p_own[child]:
+                accepted = child
                 break
             rejected.append(tok)
-            mass += p[g][t][h]
+            mass += p_own[child]
         if accepted is None:  # all rejected: sample the residual and stop here
-            residual = probs[row(g, t)].clone()
+            residual = probs[v].clone()
             residual[rejected] = 0
             if residual.sum() <= 0:  # only rounding can leave nothing: fall back to p itself
-                residual = probs[row(g, t)]
-            return g, t, list(candidates[g][:t]) + [torch.multinomial(residual, 1, generator=gen).item()]
-        alive = [h for h in alive if candidates[h][t] == accepted]
-        t += 1
-    # Every guess accepted (or none to try): the next token comes from the distribution after them.
-    g = alive[0] if alive else 0
-    accepted = list(candidates[g][:t]) if candidates else []
-    return g, t, accepted + [torch.multinomial(probs[row(g, t)], 1, generator=gen).item()]
+                residual = probs[v]
+            return path, torch.multinomial(residual, 1, generator=gen).item()
+        path.append(accepted)
+        v = accepted
+    return path, torch.multinomial(probs[v], 1, generator=gen).item()
+
+
+class StepCosts:
+    """Seconds per step of each size of the menu (step_size), measured as the decoder runs them.
+
+    A size's estimate is the median of its last 8 steps (the least of the first 3: a shape's
+    first runs can be slow). A size run fewer than twice, or not yet, is assumed to cost what
+    the largest measured smaller size costs, times the growth seen between the two largest
+    measured sizes for each doubling (optimistic where the growth was flat, so it gets tried),
+    and only one size above the largest one measured twice is ever considered: the decoder climbs
+    the menu one rung at a time and stops where a wider step no longer pays. On a CPU it stops
+    after a rung or two; where steps are free (a GPU at small sizes) it goes wide.
+    `table` fixes the estimates instead (a cost model for tests and experiments: sizes not in
+    it are never chosen)."""
+
+    def __init__(self, table: dict[int, float] | None = None):
+        self.table = table
+        self.samples: dict[int, deque] = {}
+
+    @classmethod
+    def flat(cls, largest: int = 128) -> "StepCosts":
+        """Every size up to `largest` costs the same: what the policy does where steps are free."""
+        return cls({1 << i: 1.0 for i in range(largest.bit_length())})
+
+    def record(self, size: int, seconds: float):
+        if self.table is None:
+            self.samples.setdefault(size, deque(maxlen=8)).append(seconds)
+
+    def estimate(self, size: int) -> float | None:
+        """Expected seconds of a step of this size, None where it is not to be tried yet."""
+        if self.table is not None:
+            return self.table.get(size)
+        seen = self.samples.get(size, ())
+        if len(seen) >= 2:  # trusted; the first runs of a shape can be slow (allocation), so min
+            return min(seen) if len(seen) < 4 else statistics.median(seen)
+        if not self.samples:
+            return 1.0 if size <= 2 else None  # the first step: the cheapest sizes
+        trusted = [s for s, v in self.samples.items() if len(v) >= 2]
+        if size > 2 * max(trusted, default=1):
+            return None  # one rung at a time
+        below = sorted(s for s in trusted if s < size)
+        if below:  # assume the growth last seen from one size to the next goes on
+            c1 = self.estimate(below[-1])
+            growth = max(1.0, c1 / self.estimate(below[-2])) if len(below) > 1 else 1.0
+            guess = c1 * growth ** math.log2(size / below[-1])
+        else:
+            guess = min(min(v) for v in self.samples.values())
+        return min(guess, seen[0]) if seen else guess
+
+
+# Each process keeps one cost table per model, so a request starts from what earlier ones measured.
+STEP_COSTS = weakref.WeakKeyDictionary()
+
+
+class Acceptance:
+    """How often a guess was right when its parent was, in this request, per (source, depth,
+    rank among its siblings): the probability a dynamic step gives each guess. Starts from a
+    prior worth two observations: a pooled n-gram seen after the same token as now 0.5, another
+    pooled one or the Jacobi guess 0.3; each further sibling half its elder's."""
+
+    PRIOR = {"context": 0.5, "pool": 0.3, "jacobi": 0.3}
+
+    def __init__(self):
+        self.hits, self.trials = Counter(), Counter()
+        self.window_tokens = 0  # tokens committed through n-grams the window made
+        self.window_columns = 0  # window columns run, summed over steps
+
+    @staticmethod
+    def key(tree: Tree, node: int):
+        return tree.kind[node], min(tree.depth[node], 4), min(tree.rank(node), 2)
+
+    def p(self, key) -> float:
+        kind, _, rank = key
+        prior = self.PRIOR[kind] / 2 ** rank
+        return (self.hits[key] + 2 * prior) / (self.trials[key] + 2)
+
+    def record(self, tree: Tree, path: list[int], w: int):
+        """After a step: every guess whose parent was accepted was tested; those on the path hit."""
+        on_path = set(path)
+        for v in [0] + path:
+            for child in tree.children[v].values():
+                key = self.key(tree, child)
+                self.trials[key] += 1
+                self.hits[key] += child in on_path
+        self.window_tokens += sum(tree.from_window[v] for v in path)
+        self.window_columns += w
+
+    def window_yield(self) -> float:
+        """Tokens a window column is worth per step: committed through its n-grams, per column
+        run (prior: 0.02, worth 50 column-steps)."""
+        return (self.window_tokens + 1.0) / (self.window_columns + 50)
+
+
+@dataclass
+class Shape:
+    """What a step ran: window columns x levels, guesses in the trie, tokens padded to `size`,
+    and (dynamic steps) the tokens it was expected to commit and its estimated cost against the
+    cheapest step."""
+    window: int
+    levels: int
+    guesses: int
+    size: int
+    expected: float = 0.0
+    cost: float = 0.0
+
+
+def choose_shape(tree: Tree, acceptance: Acceptance, costs: StepCosts, levels: int, max_window: int,
+                 budget: int) -> tuple[Tree, int, Shape]:
+    """The dynamic policy: the step (guesses kept, window columns) that maximises the expected
+    committed tokens per second.
+
+    A guess's chance to be accepted is the product of its ancestors' chances to be right given
+    their parents (Acceptance), so the best k guesses for a budget of k are the k likeliest
+    (a child is never likelier than its parent), except that the best-ranked candidate goes in
+    whole first: when it is rejected its rows are the next step's Jacobi guess, a value this
+    step's chances do not count (measured on the bench prompts at 4 tokens a step: the count
+    prompt commits 1.74 tokens per step with it, 1.57 without). A step of size T expects
+        1 + (sum of the chances of its T-1-w*L guesses) + w * (what a window column yields)
+    tokens and costs costs.estimate(T). Every size of the menu and every window width is tried;
+    padding is never chosen where a smaller size holds the same step."""
+    chance = [1.0] * len(tree)
+    for i in range(1, len(tree)):  # parents come before children
+        chance[i] = chance[tree.parent[i]] * acceptance.p(acceptance.key(tree, i))
+    order = sorted(range(1, len(tree)), key=lambda i: (-chance[i], tree.depth[i]))
+    if tree.children[0]:  # the best-ranked candidate first, whole (see above)
+        first = tree.first_chain(next(iter(tree.children[0].values())))
+        order = first + [i for i in order if i not in first]
+    prefix = [0.0]
+    for i in order:
+        prefix.append(prefix[-1] + chance[i])
+    col_value = acceptance.window_yield()
+    cheapest = min((c for s in (1, 2) if (c := costs.estimate(s))), default=1.0)
+    best = (0.0, 0, 0, Shape(0, 0, 0, 1))  # `last` alone, should a cost model offer no size at all
+    size = 1
+    while size <= budget:
+        cost = costs.estimate(size)
+        if cost is not None:
+            w = 0
+            while w <= max_window and 1 + w * levels <= size:
+                n = min(len(order), size - 1 - w * levels)
+                if n + w * levels + 1 > size // 2 or size == 1:  # a smaller size holds it otherwise
+                    expected = 1 + prefix[n] + w * col_value
+                    if best is None or expected / cost > best[0]:
+                        best = (expected / cost, n, w, Shape(w, levels if w else 0, n, size, expected,
+                                                             cost / cheapest))
+                w = 2 * w if w else 1
+        size *= 2
+    _, n, w, shape = best
+    return tree.keep(order[:n]), w, shape
+
+
+# The dynamic shape's limits: window columns, pooled n-grams per key, tokens per step.
+MAX_WINDOW, MAX_CANDIDATES, MAX_STEP = 16, 16, 128
 
 
 @torch.inference_mode()
-def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guesses=7, stop_ids=(),
+def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None, guesses=None, stop_ids=(),
                      seed=0, prompt_ngrams=True, output_ngrams=True, jacobi_guess=True, on_tokens=None,
-                     temperature=0.0, top_k=0, top_p=1.0, on_step=None) -> Generation:
-    """Several tokens per forward: W window columns, n-grams of length N, at most G
-    candidates verified per step. Greedy by default, and then the tokens equal greedy_decode's;
+                     temperature=0.0, top_k=0, top_p=1.0, on_step=None, costs=None) -> Generation:
+    """Several tokens per forward. Greedy by default, and then the tokens equal greedy_decode's;
     with temperature/top_k/top_p the tokens are distributed exactly as sample_decode's.
 
+    The shape of a step: W window columns, n-grams of length N (the window has N-1 levels and
+    a candidate at most N-1 guesses), at most G candidates verified.
+    - window=None and guesses=None (the default): dynamic. Before every step the decoder
+      chooses which guesses to verify and how many window columns to run, to maximise the
+      expected committed tokens per second (choose_shape), from two online estimates: how
+      often each kind of guess was right in this request (Acceptance), and what a step of
+      each size costs on this device (StepCosts, kept per model across requests; `costs`
+      replaces it). The window keeps its columns while its width stays; narrowed, it loses
+      its rightmost columns; widened, new columns start from random prompt tokens, as the
+      first one does. N is `ngram` (default 5).
+    - window and guesses given: that fixed shape every step (the paper's configurations).
     prompt_ngrams / output_ngrams: also pool the n-grams of the prompt / of the text committed
     so far (text that repeats itself or copies the prompt is then accepted whole).
-    jacobi_guess: when the pool has fewer than G candidates, also verify the model's own
-    predictions left over from the step before (step 4 below). window=0 runs no window at all:
-    the pool and that guess are then the only sources of candidates (the CPU default).
+    jacobi_guess: also verify the model's own predictions left over from the step before
+    (step 4 below); with a fixed shape only when the pool offers fewer than G candidates.
     on_tokens(new ids) is called as tokens are committed; on_step(dict) after each step with
-    what it did (window, candidates, whether the last one is the Jacobi guess, winner,
-    accepted), for tracing."""
-    W, N, G = window, ngram, guesses
-    sampling = Sampling(temperature, top_k, top_p)
+    what it did (shape, window, candidates, whether the last one is the Jacobi guess, winner,
+    guesses accepted, tokens committed), for tracing.
+    With measured costs the dynamic shapes depend on timing, and so do sampled tokens for a
+    seed (their distribution does not): give a fixed shape or `costs` to repeat a sampled run."""
+    dynamic = window is None and guesses is None
+    if not dynamic and (window is None or guesses is None):
+        raise ValueError("a fixed shape needs both window and guesses (neither: the dynamic shape)")
+    N = 5 if ngram is None else ngram
+    W, G = (MAX_WINDOW, MAX_CANDIDATES) if dynamic else (window, guesses)
     if W < 0 or N < 2 or G < 0:
         raise ValueError(f"need window >= 0, ngram >= 2, guesses >= 0 (got {W}, {N}, {G})")
+    sampling = Sampling(temperature, top_k, top_p)
     start = time.perf_counter()
     max_new_tokens = check_request(model, prompt_ids, max_new_tokens)
     levels = N - 1  # a full window has N-1 levels; with the new prediction they make N-grams
-    step_max = 1 + W * levels + G * levels
+    step_max = min(MAX_STEP, step_size(2 + (W + G) * levels)) if dynamic else step_size(1 + (W + G) * levels)
     ensure_cache(model, min(model.args.max_seq_len, len(prompt_ids) + max_new_tokens - 1 + step_max))
     dev, stop = model.device, set(stop_ids)
     slots = torch.arange(model.cache_len, device=dev)
     # The step's mask is [committed cache: all True | step block]; one buffer serves every step.
     mask_buf = torch.ones(step_max, model.cache_len, dtype=torch.bool, device=dev)
-    layouts = {}  # (W, L, K) -> step_layout on the device
+    costs = costs or STEP_COSTS.setdefault(model, StepCosts())
+    acceptance = Acceptance()
 
     # Window: level 0 starts as random prompt tokens (any guess converges; these are cheap and
     # seeded, so runs repeat). It grows a level per step until it has N-1; verification does not
     # wait for it, since the pool already holds the prompt's n-grams.
-    rng = random.Random(seed)
-    window = [[rng.choice(prompt_ids) for _ in range(W)]] if W else []
+    window_rng, rng = random.Random(seed), random.Random(seed + 1)
+    window = [[window_rng.choice(prompt_ids) for _ in range(W)]] if W and not dynamic else []
     # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies
     # (step 6 below adds the n-grams of the committed text as it grows).
     pool = NGramPool(max(G, POOL_MIN_PER_KEY) if G else 0)
@@ -377,80 +641,101 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
 
     if output_ngrams:
         pool_output(tokens)
-    steps, accepted_lengths = 0, []
+    steps, accepted_lengths, shapes = 0, [], []
     jacobi = []  # the model's predictions left over from the last step (step 4)
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
+        step_start = time.perf_counter()
         C, last = model.committed, tokens[-1]  # `last` sits at position and slot C
-        # 1. Shape the step. Candidates: pooled n-grams that start with `last`, those seen after
-        #    the same token as now first; in a slot they leave free, the Jacobi guess (step 4).
-        #    They need not guess past max_new_tokens; near the end of the cache the window sits
-        #    out and candidates shrink to what still fits.
         budget = model.cache_len - C
+
+        # 1. Propose: a trie of candidate continuations of `last`. Pooled n-grams that start with
+        #    `last`, those seen after the same token as now first, then the Jacobi guess (step 4).
+        #    They need not guess past max_new_tokens.
         K = min(levels, max_new_tokens - len(tokens) - 1)
         before = tokens[-2] if len(tokens) > 1 else prompt_ids[-1]  # the token before `last`
-        candidates = pool.get(last, before)[:G] if K > 0 else []
-        pooled = len(candidates)
-        if jacobi and pooled < G and K > 0:
-            # Padded to K guesses with its last token: a guess only costs a slot, never exactness.
-            candidates.append(jacobi + jacobi[-1:] * (K - len(jacobi)))
-        L, w = len(window), W
-        if 1 + W * L + len(candidates) * K > budget:
-            L = w = 0
-            K = min(K, budget - 1)
-            candidates = candidates[:(budget - 1) // K] if K > 0 else []
-        candidates = [c[:K] for c in candidates]
-        key = (w, L, K)
-        if key not in layouts:
-            layouts[key] = [t.to(dev) for t in step_layout(w, L, G, K)]
-        static, offsets, rows = layouts[key]
-        T = 1 + w * L + len(candidates) * K
+        tree = Tree(last)
+        if K > 0:
+            pooled = pool.ranked(last, before)[:G]
+            for rest, in_context, from_window in pooled:
+                tree.add(rest[:K], "context" if in_context else "pool", from_window)
+            if jacobi and (dynamic or len(pooled) < G):
+                # Fixed shapes pad it to K guesses with its last token (a guess only costs a slot).
+                tree.add((jacobi + jacobi[-1:] * (K - len(jacobi)))[:K], "jacobi")
 
-        # 2. One forward over [last] + window + candidates, under the combined mask.
-        seq = [last] + [t for level in window[:L] for t in level] + [t for c in candidates for t in c]
-        mask_buf[:T, C:C + T] = static[:T, :T]
-        logits = model(torch.tensor([seq], device=dev), C + offsets[:T], slots[C:C + T],
-                       mask_buf[:T, :C + T], rows=rows[:1 + w + len(candidates) * K])
-        mask_buf[:T, C:C + T] = True  # restore: these slots are committed context next step
+        # 2. Shape the step: which guesses and how many window columns, padded to a size of the
+        #    menu. Dynamic: the best expected tokens per second. Fixed: all of them; near the
+        #    end of the cache the window sits out and the trie shrinks to what still fits.
+        if dynamic:
+            tree, w, shape = choose_shape(tree, acceptance, costs, len(window) or 1, W, min(budget, step_max))
+            if w and not window:
+                window = [[window_rng.choice(prompt_ids) for _ in range(w)]]
+            elif w:  # narrowed: drop the rightmost columns; widened: new random columns
+                window = [level[:w] + [window_rng.choice(prompt_ids) for _ in range(w - len(level))]
+                          for level in window]
+        else:
+            w = W if step_size(len(tree) + W * len(window)) <= budget else 0
+            if step_size(len(tree) + w * len(window)) > budget:
+                tree = tree.keep(range(1, 1 << (budget.bit_length() - 1)))
+            shape = Shape(w, len(window) if w else 0, len(tree) - 1, 0)
+        n, L = len(tree), len(window) if w else 0
+        size = shape.size = step_size(n + w * L)
+
+        # 3. One forward over [tree | window | padding] under the combined mask. Logits rows
+        #    read: every tree node (row i predicts the token after node i), then the newest
+        #    window level (its predictions become the next level).
+        seq, positions, block = step_inputs(tree, window, w, size, C, dev)
+        mask_buf[:size, C:C + size] = block
+        rows = list(range(n)) + list(range(n + (L - 1) * w, n + L * w))
+        logits = model(seq, positions, slots[C:C + size], mask_buf[:size, :C + size], rows=rows)
+        mask_buf[:size, C:C + size] = True  # restore: these slots are committed context next step
         pred = logits[0].argmax(-1).tolist()  # the one host sync per greedy step
-        next_token, new_level, cand_pred = pred[0], pred[1:1 + w], pred[1 + w:]
+        new_level = pred[n:]
 
-        # 3. Verify the candidates against the model's own choices (greedy: its argmax; sampling:
+        # 4. Verify the guesses against the model's own choices (greedy: its argmax; sampling:
         #    a rejection test that keeps plain sampling's distribution).
         if sampling.greedy:
-            best, n_accepted, new_tokens = verify_greedy(candidates, K, next_token, cand_pred)
+            path, bonus = verify_greedy(tree, pred)
         else:
-            cand_rows = [0] + list(range(1 + w, 1 + w + len(candidates) * K))
-            best, n_accepted, new_tokens = verify_sampled(candidates, K, logits[0, cand_rows], sampling, rng, gen)
+            path, bonus = verify_sampled(tree, sampling.probs(logits[0, :n]), rng, gen)
+        new_tokens = [tree.tokens[v] for v in path] + [bonus]
 
-        # 4. Commit and roll back: `last` is already in slot C; the accepted guesses' K/V move
-        #    from the candidate's slots to C+1... Nothing else survives: the rest of this step's
-        #    slots lie past the committed length and are overwritten next step.
-        first_cand_slot = C + 1 + w * L + best * K
-        model.commit([C] + list(range(first_cand_slot, first_cand_slot + n_accepted)))
-        # The winner's rows after its first rejected guess predicted the tokens that follow what
-        # is committed now, from a context that is wrong in one token; as in Jacobi decoding,
-        # they are a guess for the next step, and often right (the pool is often empty for
-        # `last`; on the bench prompts at 0,4,1 this guess cuts the steps by a tenth).
-        #     winner     c0   c1   c2        accepted: c0 (= next_token), then bonus p1
-        #     predicts   p1   p2   p3        jacobi guess for the next step: [p2, p3]
-        jacobi = cand_pred[best * K + n_accepted:(best + 1) * K] if candidates and jacobi_guess else []
+        # 5. Commit and roll back: `last` is already in slot C; the accepted guesses' K/V move
+        #    from their slots (node i sits in slot C + i) to C+1... They can be kept as they
+        #    are: same tokens, same positions, attending to exactly the committed context, so
+        #    they are what a sequential run would have written. Nothing else survives: the rest
+        #    of this step's slots lie past the committed length and are overwritten next step.
+        model.commit([C] + [C + v for v in path])
+        # The first rejected guess's rows predicted the tokens that follow what is committed
+        # now, from a context that is wrong in one token; as in Jacobi decoding, they are a
+        # guess for the next step, and often right (the pool is often empty for `last`).
+        #     accepted   last  a0         rejected: a1 (the model said b)   commits a0, b
+        #     rows       a1 -> p1, a2 -> p2            Jacobi guess next step: [p1, p2]
+        end = path[-1] if path else 0
+        rejected = next(iter(tree.children[end].values()), None)
+        jacobi = [pred[v] for v in tree.first_chain(rejected)] if rejected and jacobi_guess else []
+        acceptance.record(tree, path, w)
 
         if on_step:
-            on_step(dict(step=steps, last=last, window=[list(l) for l in window[:L]], candidates=candidates,
-                         jacobi=len(candidates) > pooled, winner=best, accepted=n_accepted, committed=new_tokens))
+            accepted = new_tokens[:-1]
+            winner = next((g for g, (c, _) in enumerate(tree.chains) if list(c[:len(accepted)]) == accepted), 0)
+            on_step(dict(step=steps, shape=shape, last=last, window=[level[:w] for level in window[:L]],
+                         candidates=[list(c) for c, _ in tree.chains], sources=[k for _, k in tree.chains],
+                         jacobi=bool(tree.chains) and tree.chains[-1][1] == "jacobi",
+                         winner=winner, accepted=len(path), committed=new_tokens))
 
-        # 5. Jacobi update: the newest level's predictions become a new level; once the window
+        # 6. Jacobi update: the newest level's predictions become a new level; once the window
         #    is full, each column plus its prediction is an N-gram for the pool, and the
         #    oldest level drops out.
         if w:
             if len(window) == levels:
-                for j in range(W):
-                    # column j's trajectory continues level 0 after its column j-1
-                    pool.add([level[j] for level in window] + [new_level[j]], window[0][j - 1] if j else None)
+                for j in range(w):
+                    # column j's trajectory continues level 0 after its column j-1 (or `last`)
+                    pool.add([level[j] for level in window] + [new_level[j]], window[0][j - 1] if j else last,
+                             from_window=True)
                 window.pop(0)
             window.append(new_level)
 
-        # 6. Stop exactly where greedy would: at a stop id, or at max_new_tokens.
+        # 7. Stop exactly where greedy would: at a stop id, or at max_new_tokens.
         new_tokens = new_tokens[:max_new_tokens - len(tokens)]
         for i, t in enumerate(new_tokens):
             if t in stop:
@@ -461,8 +746,10 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=7, ngram=5, guess
             pool_output(new_tokens)
         steps += 1
         accepted_lengths.append(len(new_tokens))
+        shapes.append(shape)
+        costs.record(size, time.perf_counter() - step_start)
         on_tokens and on_tokens(new_tokens)
-    return Generation(tokens, steps, time.perf_counter() - start, accepted_lengths)
+    return Generation(tokens, steps, time.perf_counter() - start, accepted_lengths, shapes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,16 +759,6 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # --show: a colour per number of tokens a step committed (1 = plain).
 COLOURS = {2: "36", 3: "32", 4: "33", 5: "35"}
-
-
-def default_config(device) -> tuple[int, int, int]:
-    """(W, N, G) by device type, chosen with bench.py (README, Performance).
-
-    A CPU step costs about one token's forward only up to 4 tokens, so the CPU gets the last
-    token and one candidate of three guesses: a pooled 4-gram, else the Jacobi guess; a window
-    does not fit in that budget. A GPU step costs about the same for hundreds of tokens, so it
-    gets a wide window and many candidates."""
-    return (15, 5, 15) if torch.device(device).type == "cuda" else (0, 4, 1)
 
 
 def default_dtype(device):
@@ -522,9 +799,11 @@ def parse_args(argv):
     ap.add_argument("--prompt-file", help="read the prompt from this file")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--window", type=int, default=None, help="W: columns of the lookahead window (0: none)")
-    ap.add_argument("--ngram", type=int, default=None, help="N: n-gram length (window levels + 1)")
-    ap.add_argument("--guesses", type=int, default=None, help="G: candidates verified per step")
+    ap.add_argument("--window", type=int, default=None,
+                    help="W: columns of the lookahead window (0: none); with --guesses, a fixed shape")
+    ap.add_argument("--ngram", type=int, default=None, help="N: n-gram length (window levels + 1; default 5)")
+    ap.add_argument("--guesses", type=int, default=None,
+                    help="G: candidates verified per step (default: the dynamic shape, chosen per step)")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
     ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -549,12 +828,11 @@ def parse_args(argv):
         ap.error(f"unknown dtype {args.dtype!r} (one of {', '.join(DTYPES)})")
     if args.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         ap.error("this GPU does not support bfloat16; use --dtype float16")
-    W, N, G = default_config(device)
-    or_default = lambda given, default: default if given is None else given  # noqa: E731
-    args.window, args.ngram, args.guesses = or_default(args.window, W), or_default(args.ngram, N), or_default(args.guesses, G)
+    if (args.window is None) != (args.guesses is None):
+        ap.error("a fixed shape needs both --window and --guesses (neither: the dynamic shape)")
     for name, value, least in (("window", args.window, 0), ("ngram", args.ngram, 2), ("guesses", args.guesses, 0),
                                ("max-new-tokens", args.max_new_tokens, 1)):
-        if value < least:
+        if value is not None and value < least:
             ap.error(f"--{name} must be at least {least}, got {value}")
     try:
         args.sampling = Sampling(args.temperature, args.top_k, args.top_p)
@@ -591,12 +869,15 @@ def main(argv=None):
         def trace(step):
             if step["step"] >= args.trace:
                 return
-            out = [f"\n-- step {step['step'] + 1}: last token {piece(step['last'])}"]
+            s = step["shape"]
+            out = [f"\n-- step {step['step'] + 1}: last token {piece(step['last'])}; {s.size} tokens: "
+                   f"{s.guesses} guesses, window {s.window}x{s.levels}"
+                   + (f", expected to commit {s.expected:.2f} at {s.cost:.2f}x the cheapest step" if s.expected else "")]
             for i, level in enumerate(step["window"]):
                 out.append(f"   window level {i}: " + " ".join(piece(t) for t in level))
             for g, cand in enumerate(step["candidates"]):
                 mark = f"<- {step['accepted']} accepted" if g == step["winner"] and step["accepted"] else ""
-                source = "jacobi guess" if step["jacobi"] and g == len(step["candidates"]) - 1 else f"candidate {g}"
+                source = "jacobi guess" if step["sources"][g] == "jacobi" else f"candidate {g}"
                 out.append(f"   {source}: " + " ".join(piece(t) for t in cand) + f"  {mark}")
             if not step["candidates"]:
                 out.append("   no candidates start with the last token")
@@ -613,7 +894,8 @@ def main(argv=None):
                     text = f"\033[{COLOURS[min(len(ids), 5)]}m{text}\033[0m"
                 print(text, end="", flush=True)
 
-            name = "greedy" if greedy else f"lookahead W={args.window} N={args.ngram} G={args.guesses}"
+            name = ("greedy" if greedy else "lookahead, dynamic shape" if args.window is None
+                    else f"lookahead W={args.window} N={args.ngram or 5} G={args.guesses}")
             if not sampling.greedy:
                 name += f", temperature {sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
             try:
@@ -631,9 +913,10 @@ def main(argv=None):
                 if stream:
                     print(out.flush(), flush=True)
             hist = " ".join(f"{n}:{c}" for n, c in gen.histogram.items())
+            sizes = " ".join(f"{n}:{c}" for n, c in sorted(Counter(s.size for s in gen.shapes).items()))
             print(f"[{name}] {len(gen.tokens)} tokens, {gen.steps} steps, {gen.tokens_per_step:.2f} tokens/step "
-                  f"(steps by tokens committed {hist or '-'}), {gen.tokens_per_second:.1f} tokens/s",
-                  file=sys.stderr)
+                  f"(steps by tokens committed {hist or '-'}" + (f"; by size {sizes}" if sizes else "")
+                  + f"), {gen.tokens_per_second:.1f} tokens/s", file=sys.stderr)
             return gen
 
         if colour and not args.greedy:

@@ -10,63 +10,83 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import assert_matches_reference, random_model, write_tokenizer
 from model import Transformer
 from tokenizer import Tokenizer
-from lookahead import NGramPool, Sampling, greedy_decode, lookahead_decode, main, sample_decode, step_layout
+from lookahead import (NGramPool, Sampling, StepCosts, Tree, greedy_decode, lookahead_decode, main,
+                       sample_decode, step_inputs, step_size)
+
+
+SIZES = [1 << i for i in range(8)]  # the step sizes of the dynamic shape's menu
 
 
 def test_lookahead_equals_greedy():
-    """For random tiny models, prompts and (W, N, G): the same tokens as greedy decoding.
+    """For random tiny models, prompts and shapes: the same tokens as greedy decoding.
 
-    Equality alone would pass a verifier that never accepts, so the run must also show
-    multi-token steps (tiny vocabularies and repetitive prompts make n-grams recur), and accepted
-    Jacobi guesses."""
+    Fixed shapes draw (W, N, G); the dynamic shape draws its cost model: measured, flat (steps
+    free: it goes wide), or adversarial (random costs, sizes left out, large steps cheaper than
+    small ones), so that it runs every branch: windows that grow, narrow and sit out, tries
+    pruned to a few guesses, steps padded past their tokens. Equality alone would pass a
+    verifier that never accepts, so the runs must also show multi-token steps (tiny vocabularies
+    and repetitive prompts make n-grams recur) and accepted Jacobi guesses."""
     seen = Counter()
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 32), W=st.integers(0, 8), N=st.integers(2, 6),
-           G=st.integers(0, 8), max_new=st.integers(1, 60), context=st.sampled_from([40, 64, 256]),
-           jacobi_guess=st.booleans(), data=st.data())
-    def prop(seed, vocab, W, N, G, max_new, context, jacobi_guess, data):
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 32), N=st.integers(2, 6),
+           max_new=st.integers(1, 60), context=st.sampled_from([40, 64, 256]), jacobi_guess=st.booleans(),
+           data=st.data())
+    def prop(seed, vocab, N, max_new, context, jacobi_guess, data):
         model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=context)
         motif = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6))
         prompt = (motif * 20)[:data.draw(st.integers(1, 30))]
         stop = data.draw(st.sampled_from([(), (0,), (vocab - 1, 3)]))
+        mode = data.draw(st.sampled_from(["fixed", "measured", "flat", "adversarial"]))
+        shape = dict(window=data.draw(st.integers(0, 8)), guesses=data.draw(st.integers(0, 8))) if mode == "fixed" else {}
+        if mode == "flat":
+            shape["costs"] = StepCosts.flat()
+        elif mode == "adversarial":
+            sizes = data.draw(st.lists(st.sampled_from(SIZES), min_size=1, unique=True))
+            shape["costs"] = StepCosts({s: data.draw(st.floats(0.01, 10.0)) for s in sizes})
         expected = greedy_decode(model, prompt, max_new, stop).tokens
         steps = []
-        got = lookahead_decode(model, prompt, max_new, W, N, G, stop, seed=seed, jacobi_guess=jacobi_guess,
-                               on_step=steps.append)
+        got = lookahead_decode(model, prompt, max_new, ngram=N, stop_ids=stop, seed=seed, jacobi_guess=jacobi_guess,
+                               on_step=steps.append, **shape)
         assert got.tokens == expected
         assert sum(got.accepted) + 1 == len(got.tokens)
         assert max(got.accepted, default=1) <= N
+        assert len(got.shapes) == got.steps
+        for s in got.shapes:  # a step's tokens fit its padded size, and the size is on the menu
+            assert 1 + s.guesses + s.window * s.levels <= s.size and s.size in SIZES + [256]
         seen["runs"] += 1
         seen["multi"] += max(got.accepted, default=1) > 1
         seen["full"] += max(got.accepted, default=1) == N
-        seen["near_context"] += len(prompt) + max_new + (W + G) * (N - 1) > context
+        seen["near_context"] += len(prompt) + max_new + 2 * 8 * (N - 1) > context
         jacobi_wins = [s for s in steps if s["jacobi"] and s["winner"] == len(s["candidates"]) - 1 and s["accepted"]]
         assert jacobi_guess or not any(s["jacobi"] for s in steps)
         seen["jacobi_accepted"] += bool(jacobi_wins)
+        if mode != "fixed":
+            widths = [s.window for s in got.shapes]
+            seen[f"{mode} steps"] += len(widths)
+            seen[f"{mode} window"] += any(widths)
+            seen[f"{mode} window narrowed"] += any(0 < b < a for a, b in zip(widths, widths[1:]))
+            seen[f"{mode} padded"] += any(1 + s.guesses + s.window * s.levels < s.size for s in got.shapes)
+            seen[f"{mode} merged"] += any(len(s["candidates"]) > 1 and len({c[0] for c in s["candidates"]}) == 1
+                                          for s in steps)
 
     prop()
     assert seen["multi"] > seen["runs"] // 4, seen
     assert seen["full"] > 0 and seen["near_context"] > 0 and seen["jacobi_accepted"] > 0, seen
+    for mode in ("measured", "flat", "adversarial"):
+        assert seen[f"{mode} steps"] > 0 and seen[f"{mode} merged"] > 0, seen
+    assert seen["flat window"] and seen["adversarial window narrowed"] and seen["adversarial padded"], seen
 
 
-def trajectory_mask(W, L, G, K):
+def trajectory_mask(tree, W, L):
     """Brute force from the definition: the step's tokens form a tree rooted at `last`; each
     token's context is its chain of ancestors, and its position is its depth."""
-    parent = {0: None}
-    index = {}
-    for level in range(L):
-        for j in range(W):
-            index[("w", level, j)] = 1 + level * W + j
-    for g in range(G):
-        for t in range(K):
-            index[("c", g, t)] = 1 + W * L + g * K + t
-    for (kind, a, b), i in index.items():
-        if kind == "w":  # level 0 continues its left neighbour; level l continues its own column
-            parent[i] = (index[("w", 0, b - 1)] if b else 0) if a == 0 else index[("w", a - 1, b)]
-        else:
-            parent[i] = index[("c", a, b - 1)] if b else 0
-    T = 1 + W * L + G * K
+    n = len(tree)
+    parent = {i: (tree.parent[i] if i else None) for i in range(n)}
+    index = {(a, b): n + a * W + b for a in range(L) for b in range(W)}
+    for (a, b), i in index.items():  # level 0 continues its left neighbour; level l its own column
+        parent[i] = (index[(0, b - 1)] if b else 0) if a == 0 else index[(a - 1, b)]
+    T = n + W * L
     mask = torch.zeros(T, T, dtype=torch.bool)
     depth = torch.zeros(T, dtype=torch.long)
     for i in range(T):
@@ -78,14 +98,24 @@ def trajectory_mask(W, L, G, K):
     return mask, depth
 
 
-@pytest.mark.parametrize("W,L,G,K", [(3, 2, 2, 2), (1, 1, 0, 1), (7, 4, 7, 4), (5, 3, 1, 2), (0, 0, 3, 4), (4, 1, 3, 1)])
-def test_step_layout_is_the_trajectory_tree(W, L, G, K):
-    mask, offsets, rows = step_layout(W, L, G, K)
-    want_mask, want_depth = trajectory_mask(W, L, G, K)
-    assert torch.equal(mask, want_mask)
-    assert torch.equal(offsets, want_depth)
-    newest = list(range(1 + (L - 1) * W, 1 + L * W)) if L else []
-    assert rows.tolist() == [0] + newest + list(range(1 + W * L, 1 + W * L + G * K))
+@pytest.mark.parametrize("W,L,chains", [
+    (3, 2, [(5, 6), (5, 7), (8,)]), (1, 1, []), (7, 4, [(1, 2, 3, 4), (1, 2, 3, 5), (1, 9, 9, 9), (2, 2, 2, 2)]),
+    (5, 3, [(4, 4)]), (0, 0, [(3, 1, 4, 1), (3, 1, 5, 9), (2, 6)]), (4, 1, [(1,), (2,), (3,)]),
+])
+def test_step_mask_is_the_trajectory_tree(W, L, chains):
+    tree = Tree(last=0)
+    for chain in chains:
+        tree.add(chain)
+    assert len(tree) == 1 + len({c[:i] for c in chains for i in range(1, len(c) + 1)})  # shared prefixes merged
+    window = [[10 + level * W + j for j in range(W)] for level in range(L)]
+    T = len(tree) + W * L
+    size = step_size(T) * 2  # padded further than needed: the padding must stay out of every real row
+    seq, positions, block = step_inputs(tree, window, W, size, C=100, dev="cpu")
+    want_mask, want_depth = trajectory_mask(tree, W, L)
+    assert torch.equal(block[:T, :T], want_mask)
+    assert not block[:T, T:].any() and torch.equal(block[T:, T:], torch.eye(size - T, dtype=torch.bool))
+    assert torch.equal(positions[:T], 100 + want_depth)
+    assert seq[0, :T].tolist() == tree.tokens + [t for level in window for t in level]
 
 
 def test_pool_cap_lru_and_refresh():
@@ -138,7 +168,7 @@ def test_the_one_guess_is_the_ngram_seen_after_the_same_token():
             by_recency = sorted(latest, key=latest.get, reverse=True)
             ranked = sorted(by_recency, key=lambda rest: rest not in seen_after_before)  # stable: recency within
             K = min(N - 1, N - (at - len(prompt) + 1) - 1)  # guesses need not pass max_new_tokens
-            assert s["candidates"] == ([ranked[0][:K]] if ranked and K else []), s
+            assert s["candidates"] == ([list(ranked[0][:K])] if ranked and K else []), s
             picked_by_context += bool(ranked) and ranked[0] != by_recency[0]
             at += len(s["committed"])
     assert picked_by_context  # the context changed the pick somewhere, so this tested it
@@ -178,17 +208,20 @@ def test_stop_inside_an_accepted_ngram():
     pytest.fail("no multi-token step found to place a stop id in")
 
 
-def test_reproducible_with_a_seed():
+@pytest.mark.parametrize("shape", [dict(window=3, guesses=3), dict(costs=StepCosts({1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0}))])
+def test_reproducible_with_a_seed(shape):
+    # Measured costs make the dynamic shapes depend on timing; a given cost model does not.
     model = random_model(seed=3, vocab_size=12)
-    a = lookahead_decode(model, [1, 2, 3, 4], 30, seed=5)
-    b = lookahead_decode(model, [1, 2, 3, 4], 30, seed=5)
-    assert a.tokens == b.tokens and a.accepted == b.accepted
+    a = lookahead_decode(model, [1, 2, 3, 4], 30, seed=5, **shape)
+    b = lookahead_decode(model, [1, 2, 3, 4], 30, seed=5, **shape)
+    assert a.tokens == b.tokens and a.accepted == b.accepted and a.shapes == b.shapes
 
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(window=-1), "window"), (dict(ngram=1), "ngram"), (dict(guesses=-1), "guesses"),
     (dict(prompt=[]), "empty"), (dict(prompt=[1] * 256), "context"), (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(prompt=[99]), "prompt ids"),
+    (dict(prompt=[99]), "prompt ids"), (dict(guesses=None), "both window and guesses"),
+    (dict(window=None), "both window and guesses"),
 ])
 def test_bad_requests(kwargs, message):
     model = random_model()
@@ -205,7 +238,89 @@ def test_generation_stops_at_the_context():
     assert lookahead_decode(model, prompt, 100).tokens == greedy_decode(model, prompt, 100).tokens
 
 
-@pytest.mark.parametrize("W,N,G", [(7, 5, 7), (15, 5, 15)])
+# --- the dynamic shape -----------------------------------------------------------------------
+
+def test_step_costs_climb_one_size_at_a_time_and_extrapolate_the_growth():
+    costs = StepCosts()
+    assert [costs.estimate(s) for s in (1, 2, 4)] == [1.0, 1.0, None]  # nothing measured: the cheapest
+    costs.record(2, 0.10)
+    assert costs.estimate(2) == 0.10 and costs.estimate(4) is None  # once is not enough to climb on
+    costs.record(2, 0.12)
+    assert costs.estimate(2) == 0.10  # the least of the first runs
+    assert costs.estimate(1) == 0.10 and costs.estimate(4) == 0.10 and costs.estimate(8) is None
+    costs.record(4, 0.30)
+    assert costs.estimate(4) == 0.10  # one slow run may be an outlier: tried again
+    costs.record(4, 0.20)
+    assert costs.estimate(4) == 0.20
+    assert costs.estimate(8) == pytest.approx(0.40)  # twice per doubling, as from 2 to 4
+    assert costs.estimate(16) is None
+    for t in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):  # then the median of the last 8
+        costs.record(4, t)
+    assert costs.estimate(4) == pytest.approx(0.65)
+    fixed = StepCosts({1: 1.0, 4: 2.0})
+    fixed.record(4, 100.0)
+    assert fixed.estimate(4) == 2.0 and fixed.estimate(2) is None
+    assert StepCosts.flat(8).table == {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
+
+
+def test_the_dynamic_step_verifies_the_likeliest_guesses():
+    # A trie, the acceptance so far and a cost model where 4 tokens cost what 1 does and 8 are
+    # dear: the step must take the best-ranked candidate whole, then the guesses whose chances
+    # (products down the trie) sum highest, found here by brute force over every set closed
+    # under parents.
+    from itertools import combinations
+    from lookahead import Acceptance, choose_shape
+    tree = Tree(last=0)
+    for chain, kind in [((5,), "context"), ((1, 2, 3), "pool"), ((1, 2, 4), "pool"), ((7, 8, 9), "jacobi")]:
+        tree.add(chain, kind)
+    acceptance = Acceptance()
+    acceptance.record(tree, [2, 3], w=0)  # the pool's first two guesses were right once
+    chance = [1.0] * len(tree)
+    for i in range(1, len(tree)):
+        chance[i] = chance[tree.parent[i]] * acceptance.p(acceptance.key(tree, i))
+    first = {tree.node([5])}
+    rest = [i for i in range(1, len(tree)) if i not in first]
+    closed = [set(c) | first for c in combinations(rest, 2) if all(tree.parent[i] in set(c) | {0} for i in c)]
+    best = max(closed, key=lambda c: sum(chance[i] for i in c))
+    kept, w, shape = choose_shape(tree, acceptance, StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 9.0}), 1, 0, 128)
+    assert w == 0 and shape.size == 4 and shape.guesses == 3
+    assert sorted(kept.path(i) for i in range(1, len(kept))) == sorted(tree.path(i) for i in best)
+    assert shape.expected == pytest.approx(1 + sum(chance[i] for i in best))
+    # Where every step costs the same the whole trie goes in, and the window too.
+    kept, w, shape = choose_shape(tree, acceptance, StepCosts.flat(), 2, 16, 128)
+    assert len(kept) == len(tree) and w == 16 and shape.size == 64
+    # Where guesses cost more than they can win, the step is `last` alone.
+    kept, w, shape = choose_shape(tree, acceptance, StepCosts({1: 1.0, 2: 3.0, 4: 5.0}), 1, 16, 128)
+    assert len(kept) == 1 and w == 0 and shape.size == 1
+
+
+def test_the_dynamic_shape_goes_wide_where_steps_are_free_and_narrow_where_they_are_dear():
+    model = random_model(seed=2, vocab_size=16)
+    prompt = [1, 2, 3, 4, 5] * 4
+    expected = greedy_decode(model, prompt, 40).tokens
+    free = lookahead_decode(model, prompt, 40, costs=StepCosts.flat())
+    dear = lookahead_decode(model, prompt, 40, costs=StepCosts({1: 1.0, 2: 4.0, 4: 8.0}))
+    assert free.tokens == dear.tokens == expected
+    assert max(s.size for s in free.shapes) == 128 and max(s.window for s in free.shapes) == 16
+    assert all(s.size == 1 for s in dear.shapes) and dear.steps == len(expected) - 1
+
+
+def test_acceptance_learns_from_what_was_accepted():
+    from lookahead import Acceptance
+    acceptance = Acceptance()
+    tree = Tree(last=0)
+    tree.add((1, 2), "pool")
+    tree.add((3,), "pool")
+    first, second = acceptance.key(tree, 1), acceptance.key(tree, 3)
+    prior_first, prior_second = acceptance.p(first), acceptance.p(second)
+    assert prior_second < prior_first  # a later sibling starts less likely
+    for _ in range(5):
+        acceptance.record(tree, [3], w=0)  # the second sibling right, the first wrong
+    assert acceptance.p(second) > prior_second and acceptance.p(first) < prior_first
+    assert acceptance.trials[acceptance.key(tree, 2)] == 0  # below a rejected guess: not tested
+
+
+@pytest.mark.parametrize("W,N,G", [(None, None, None), (7, 5, 7), (15, 5, 15)])  # the dynamic default first
 def test_smollm2_lookahead_matches_transformers(smollm2, reference, W, N, G):
     for case in reference:
         gen = lookahead_decode(smollm2, case["prompt_ids"], len(case["greedy_ids"]), W, N, G, stop_ids=(2,))
@@ -281,15 +396,16 @@ def sampling_case():
 
 def draw(model, prompt, sampling, cfg, n):
     samples, steps, multi = [], 0, 0
+    shape = dict(costs=StepCosts.flat()) if cfg == "dynamic" else dict(zip(("window", "ngram", "guesses"), cfg))
     for seed in range(n):
-        gen = lookahead_decode(model, prompt, 4, *cfg, seed=seed, temperature=sampling.temperature,
-                               top_p=sampling.top_p)
+        gen = lookahead_decode(model, prompt, 4, seed=seed, temperature=sampling.temperature,
+                               top_p=sampling.top_p, **shape)
         samples.append(tuple(gen.tokens))
         multi += max(gen.accepted, default=1) > 1
     return samples, multi
 
 
-@pytest.mark.parametrize("cfg", [(3, 3, 3), (1, 5, 8), (4, 2, 2)])
+@pytest.mark.parametrize("cfg", [(3, 3, 3), (1, 5, 8), (4, 2, 2), "dynamic"])
 def test_lookahead_sampling_keeps_the_distribution(cfg):
     model, prompt, sampling = sampling_case()
     dist = exact_joint(model, prompt, 4, sampling)
@@ -302,10 +418,11 @@ def test_lookahead_sampling_keeps_the_distribution(cfg):
 def test_a_biased_verifier_fails_the_distribution_test(monkeypatch):
     import lookahead
 
-    def accept_first_draft(candidates, K, logits, sampling, rng, gen):
-        if not candidates:
-            return 0, 0, [torch.multinomial(sampling.probs(logits[0]), 1, generator=gen).item()]
-        return 0, 1, [candidates[0][0], torch.multinomial(sampling.probs(logits[1]), 1, generator=gen).item()]
+    def accept_first_draft(tree, probs, rng, gen):
+        if not tree.children[0]:
+            return [], torch.multinomial(probs[0], 1, generator=gen).item()
+        first = next(iter(tree.children[0].values()))
+        return [first], torch.multinomial(probs[first], 1, generator=gen).item()
 
     monkeypatch.setattr(lookahead, "verify_sampled", accept_first_draft)
     model, prompt, sampling = sampling_case()
@@ -336,8 +453,8 @@ def test_temperature_zero_and_top_k_one_are_greedy(seed, W, N, G, greedy_by):
 
 def test_sampling_is_reproducible_with_a_seed():
     model, prompt, sampling = sampling_case()
-    a = lookahead_decode(model, prompt, 20, seed=3, temperature=1.0)
-    b = lookahead_decode(model, prompt, 20, seed=3, temperature=1.0)
+    a = lookahead_decode(model, prompt, 20, 3, 3, 3, seed=3, temperature=1.0)
+    b = lookahead_decode(model, prompt, 20, 3, 3, 3, seed=3, temperature=1.0)
     assert a.tokens == b.tokens
     assert sample_decode(model, prompt, 20, seed=3).tokens == sample_decode(model, prompt, 20, seed=3).tokens
 
@@ -401,16 +518,18 @@ def test_cli_generates_and_compares(tiny_checkpoint, capsys):
 
 def test_cli_show_is_plain_off_a_terminal_and_trace_shows_the_step(tiny_checkpoint, capsys):
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8",
-                             "--max-new-tokens", "20", "--show", "--trace", "2", "--window", "2", "--ngram", "3")
+                             "--max-new-tokens", "20", "--show", "--trace", "2", "--window", "2", "--ngram", "3",
+                             "--guesses", "2")
     assert code == 0, err
     assert "\033[" not in out  # stdout is not a terminal here
     assert "-- step 1" in err and "-- step 2" in err and "-- step 3" not in err
     assert "window level 0" in err and "committed" in err
-    # The CPU default has no window; after a step with a candidate, its leftover is the Jacobi guess.
+    # The dynamic default says what it chose and why; after a step with a candidate, its
+    # leftover is the Jacobi guess.
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w20 w21 w20 w21",
                              "--max-new-tokens", "20", "--trace", "20", "--device", "cpu")
     assert code == 0, err
-    assert "window level" not in err and "jacobi guess:" in err
+    assert "expected to commit" in err and "jacobi guess:" in err
 
 
 def test_cli_sampling(tiny_checkpoint, capsys):
@@ -422,7 +541,7 @@ def test_cli_sampling(tiny_checkpoint, capsys):
 
 @pytest.mark.parametrize("case", [
     "missing_folder", "no_config", "no_weights", "model_type", "pickle_only", "empty_prompt", "long_prompt",
-    "window", "ngram", "guesses", "max_new_tokens", "cuda", "dtype", "prompt_file", "top_p", "no_template",
+    "window", "ngram", "guesses", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
 ])
 def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsys, case):
     ckpt = str(tiny_checkpoint)
@@ -444,6 +563,9 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
         argv[3] = "w7 " * 80
     elif case in ("window", "ngram", "guesses", "max_new_tokens"):
         argv += [f"--{case.replace('_', '-')}", "-1"]
+        argv += {"window": ["--guesses", "1"], "guesses": ["--window", "1"]}.get(case, [])
+    elif case == "window_alone":
+        argv += ["--window", "3"]
     elif case == "cuda":
         if torch.cuda.is_available():
             pytest.skip("this machine has a GPU")
