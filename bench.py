@@ -15,12 +15,14 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from lookahead import DTYPES, StepCosts, default_dtype, greedy_decode, lookahead_decode
-from model import Transformer
+from cli import DTYPES
+from lookahead import StepCosts, greedy_decode, lookahead_decode
+from model import STEP_SIZES, Transformer
 from tokenizer import Tokenizer
 
 SUMMARY_TEXT = (
@@ -76,11 +78,34 @@ def load_prompts(path, tokenizer):
                 row = json.loads(line)
                 prompts.append((row.get("kind", "custom"), row.get("chat", True), row["prompt"]))
     encoded = []
-    for _, chat, text in prompts:
+    for kind, chat, text in prompts:
         if chat:
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        encoded.append(tokenizer.encode(text))
+        encoded.append((kind, tokenizer.encode(text)))
     return encoded
+
+
+def print_tables(rows, results, labels, markdown):
+    """The summary (one row per decoder) and the speed-up of every prompt, as plain columns or
+    as the README's Markdown tables."""
+    head = ["decoder", "tokens/s", "steps", "tokens/step", "step cost", "speed-up", "per prompt: median", "worst",
+            "same as greedy"]
+    body = [[r["config"], f"{r['tokens_per_s']:.1f}", str(r["steps"]), f"{r['tokens_per_step']:.2f}",
+             f"{r['step_cost']:.2f}x", f"{r['speedup']:.2f}x", f"{statistics.median(r['prompt_speedups']):.2f}x",
+             f"{min(r['prompt_speedups']):.2f}x", "yes" if r["identical"] else "NO"] for r in rows]
+    per_head = ["prompt"] + [f"{r['config']}: speed-up, tokens/step" for r in rows[1:]]
+    per_body = [[label] + [f"{r['prompt_speedups'][i]:.2f}x, "
+                           f"{sum(results[r['config']][i][0].accepted) / max(results[r['config']][i][0].steps, 1):.2f}"
+                           for r in rows[1:]] for i, label in enumerate(labels)]
+    for h, b in ((head, body), (per_head, per_body)):
+        if markdown:
+            print("| " + " | ".join(h) + " |\n|" + "---|" * len(h))
+            print("\n".join("| " + " | ".join(row) + " |" for row in b) + "\n")
+        else:
+            widths = [max(len(x) for x in col) for col in zip(h, *b)]
+            for row in [h] + b:
+                print("  ".join(x.rjust(w) for x, w in zip(row, widths)))
+            print()
 
 
 def timed(fn, device):
@@ -104,9 +129,10 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", choices=DTYPES, default=None)
+    ap.add_argument("--dtype", choices=DTYPES, default="float32")
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--per-prompt", action="store_true", help="also print the speed-up of every prompt")
+    ap.add_argument("--readme", action="store_true", help="print the tables in the README's Markdown format")
+    ap.add_argument("--compile", action="store_true", help="compile the step sizes first (Transformer.compile_steps)")
     args = ap.parse_args(argv)
 
     path = args.model
@@ -115,10 +141,15 @@ def main(argv=None):
         path = subprocess.run([sys.executable, str(script)], check=True, capture_output=True,
                               text=True).stdout.strip().splitlines()[-1]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = Transformer.from_pretrained(path, device, DTYPES[args.dtype] if args.dtype else default_dtype(device))
+    model = Transformer.from_pretrained(path, device, DTYPES[args.dtype])
+    compile_seconds = 0.0
+    if args.compile:
+        start = time.perf_counter()
+        model.compile_steps(STEP_SIZES)
+        compile_seconds = time.perf_counter() - start
     dtype = model.dtype
     tokenizer = Tokenizer.from_pretrained(path)
-    prompts = load_prompts(args.prompts, tokenizer)
+    kinds, prompts = zip(*load_prompts(args.prompts, tokenizer))
     stop = tokenizer.stop_ids
     configs = [None] + SWEEP if args.sweep else args.configs or [None]
     costs = StepCosts.flat() if args.flat_cost else None
@@ -132,8 +163,10 @@ def main(argv=None):
             return lookahead_decode(model, ids, n_new, stop_ids=stop, costs=costs)
         return lookahead_decode(model, ids, n_new, *cfg, stop_ids=stop)
 
-    print(f"# {machine(device)}, {str(dtype).removeprefix('torch.')}, {len(prompts)} prompts x {n_new} tokens, "
-          f"median of {args.repeats}", flush=True)
+    command = "python bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"{'' if args.readme else '# '}`{command}`: {machine(device)}, {str(dtype).removeprefix('torch.')}, "
+          f"{len(prompts)} prompts x {n_new} tokens, median of {args.repeats} runs"
+          + (f", compiled in {compile_seconds:.0f} s" if args.compile else "") + (":\n" if args.readme else ""), flush=True)
     for ids in prompts[:2]:  # warm-up: allocator, caches, kernels
         greedy(ids), lookahead(ids, configs[0])
 
@@ -173,20 +206,8 @@ def main(argv=None):
                          tokens_per_s=tokens / secs, speedup=base / secs,
                          step_cost=(secs / max(steps, 1)) / (base / max(base_steps, 1)),
                          identical=all(same for _, same in gens)))
-    print(f"{'config (W,N,G)':>15} {'tokens/s':>9} {'steps':>6} {'tok/step':>9} {'step cost':>10} {'speed-up':>9} "
-          f"{'per prompt: median':>19} {'worst':>6} {'same as greedy':>15}")
-    for row in rows:
-        ps = row["prompt_speedups"]
-        print(f"{row['config']:>15} {row['tokens_per_s']:9.1f} {row['steps']:6d} {row['tokens_per_step']:9.2f} "
-              f"{row['step_cost']:9.2f}x {row['speedup']:8.2f}x {statistics.median(ps):18.2f}x {min(ps):5.2f}x "
-              f"{'yes' if row['identical'] else 'NO':>15}")
-    if args.per_prompt:
-        print(f"\nspeed-up per prompt (median of {args.repeats}) / tokens per step")
-        print(f"{'prompt':>8} " + " ".join(f"{row['config']:>15}" for row in rows[1:]))
-        for i in range(len(prompts)):
-            print(f"{i + 1:>8} " + " ".join(
-                f"{row['prompt_speedups'][i]:7.2f}x {sum(results[row['config']][i][0].accepted) / max(results[row['config']][i][0].steps, 1):6.2f}"
-                for row in rows[1:]))
+    labels = [f"{i + 1} {kind}" for i, kind in enumerate(kinds)]
+    print_tables(rows, results, labels, args.readme)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(machine=machine(device), dtype=str(dtype), device=str(device),
                                                    max_new_tokens=n_new, repeats=args.repeats, rows=rows), indent=1))

@@ -8,15 +8,15 @@ that start with the last token. Whatever verification accepts is exactly what gr
 would have produced, so the output is unchanged; a step just commits up to N tokens.
 
 Read it top to bottom: Generation; greedy_decode and sample_decode (the baselines); NGramPool;
-step_layout (the attention mask); verify_greedy and verify_sampled; lookahead_decode (window,
-pool, one forward, verify, commit/rollback, the Jacobi guess); the command line.
+Tree (the candidates as a trie); window_layout and step_inputs (the attention mask);
+verify_greedy and verify_sampled; StepCosts, Acceptance and choose_shape (the dynamic shape);
+lookahead_decode (propose, shape, one forward, verify, commit/rollback, the Jacobi guess, the
+window update). The command line is cli.py.
 """
-import argparse
 import math
-import os
 import random
-import sys
 import statistics
+import sys
 import time
 import weakref
 from collections import Counter, OrderedDict, deque
@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from model import Transformer
+from model import Transformer, step_size
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Generation:
     seconds: float  # wall time, prefill included
     accepted: list[int] = field(default_factory=list)  # tokens committed by each step
     shapes: list = field(default_factory=list)  # lookahead: each step's Shape
+    prefill_seconds: float = 0.0  # of `seconds`: the prompt's forward and the first token
 
     @property
     def tokens_per_step(self) -> float:
@@ -44,6 +45,12 @@ class Generation:
     @property
     def tokens_per_second(self) -> float:
         return len(self.tokens) / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """The tokens after the first, per second of decoding (the prefill left out)."""
+        decode = self.seconds - self.prefill_seconds
+        return (len(self.tokens) - 1) / decode if decode > 0 else 0.0
 
     @property
     def histogram(self) -> dict[int, int]:
@@ -72,13 +79,27 @@ def ensure_cache(model: Transformer, needed: int):
         model.setup_cache(min(model.args.max_seq_len, max(needed, 2 * model.cache_len, 256)))
 
 
+def committed_mask(model: Transformer, rows: int) -> torch.Tensor:
+    """A (rows, cache_len) mask buffer for the steps: True over the committed slots [0, C),
+    False past them; a step writes its own block after C, and clears it again."""
+    mask = torch.zeros(rows, model.cache_len, dtype=torch.bool, device=model.device)
+    mask[:, :model.committed] = True
+    return mask
+
+
+def mask_width(model: Transformer, end: int) -> int:
+    """How much of the cache a step attends over: up to its last slot, or (compiled, a fixed
+    shape) the whole cache."""
+    return model.cache_len if model.compiled_step is not None else end
+
+
 def prefill(model: Transformer, prompt_ids) -> torch.Tensor:
     """Run the prompt through the model, filling cache slots [0, P); return the logits (1, 1, V)
-    that predict the first new token."""
+    that predict the first new token. Causal without a mask (model.forward), so a long prompt
+    costs memory linear in its length."""
     P = len(prompt_ids)
     idx = torch.arange(P, device=model.device)
-    causal = torch.ones(P, P, dtype=torch.bool, device=model.device).tril()
-    logits = model(torch.tensor([prompt_ids], device=model.device), idx, idx, causal, rows=[P - 1])
+    logits = model(torch.tensor([prompt_ids], device=model.device), idx, idx, rows=[P - 1])
     model.committed = P
     return logits
 
@@ -133,21 +154,23 @@ def one_by_one(model, prompt_ids, max_new_tokens, stop_ids, on_tokens, pick) -> 
     ensure_cache(model, len(prompt_ids) + max_new_tokens - 1)
     stop = set(stop_ids)
     slots = torch.arange(model.cache_len, device=model.device)
-    mask = torch.ones(1, model.cache_len, dtype=torch.bool, device=model.device)
 
     next_token = pick(prefill(model, prompt_ids)[:, -1])  # (1, 1): stays on the device as the next input
     tokens = [next_token.item()]
+    prefill_seconds = time.perf_counter() - start
+    mask = committed_mask(model, 1)
     on_tokens and on_tokens(tokens[-1:])
     steps = 0
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         C = model.committed  # the last token sits at position and slot C
-        logits = model(next_token, slots[C:C + 1], slots[C:C + 1], mask[:, :C + 1])
+        mask[:, C] = True
+        logits = model.step(next_token, slots[C:C + 1], slots[C:C + 1], mask[:, :mask_width(model, C + 1)], [0])
         next_token = pick(logits[:, -1])
         model.committed = C + 1
         tokens.append(next_token.item())  # the one host sync per step
         steps += 1
         on_tokens and on_tokens(tokens[-1:])
-    return Generation(tokens, steps, time.perf_counter() - start, [1] * steps)
+    return Generation(tokens, steps, time.perf_counter() - start, [1] * steps, prefill_seconds=prefill_seconds)
 
 
 @torch.inference_mode()
@@ -328,12 +351,6 @@ def window_layout(W: int, L: int):
                 mask[r, 1 + up * W + j] = True  # own column, levels 1..level
             offsets[r] = 1 + j + level
     return mask, offsets
-
-
-def step_size(n: int) -> int:
-    """The menu of step shapes: a step of n tokens runs padded to the next power of two, so a
-    decoder sees few distinct shapes (a cost estimate per shape; one compiled graph per shape)."""
-    return 1 << (n - 1).bit_length()
 
 
 def step_inputs(tree: Tree, window, w: int, size: int, C: int, dev):
@@ -526,25 +543,29 @@ def choose_shape(tree: Tree, acceptance: Acceptance, costs: StepCosts, levels: i
     """The dynamic policy: the step (guesses kept, window columns) that maximises the expected
     committed tokens per second.
 
-    A guess's chance to be accepted is the product of its ancestors' chances to be right given
-    their parents (Acceptance), so the best k guesses for a budget of k are the k likeliest
-    (a child is never likelier than its parent), except that the best-ranked candidate goes in
-    whole first: when it is rejected its rows are the next step's Jacobi guess, a value this
-    step's chances do not count (measured on the bench prompts at 4 tokens a step: the count
-    prompt commits 1.74 tokens per step with it, 1.57 without). A step of size T expects
-        1 + (sum of the chances of its T-1-w*L guesses) + w * (what a window column yields)
-    tokens and costs costs.estimate(T). Every size of the menu and every window width is tried;
-    padding is never chosen where a smaller size holds the same step."""
+    A guess is worth its chance to be accepted: the product of its ancestors' chances to be
+    right given their parents (Acceptance). The best-ranked candidate's guesses are worth more:
+    when it is rejected near its start, its rows become the next step's Jacobi guess, so each
+    also carries the chance that the guess it leaves is accepted then. A child is never worth
+    more than its parent, so the best k guesses for a budget of k are the k most valuable, and
+    a step of size T expects
+        1 + (the value of its T-1-w*L best guesses) + w * (what a window column yields)
+    tokens at the cost costs.estimate(T). Every size of the menu and every window width is
+    tried; padding is never chosen where a smaller size holds the same step."""
     chance = [1.0] * len(tree)
     for i in range(1, len(tree)):  # parents come before children
         chance[i] = chance[tree.parent[i]] * acceptance.p(acceptance.key(tree, i))
-    order = sorted(range(1, len(tree)), key=lambda i: (-chance[i], tree.depth[i]))
-    if tree.children[0]:  # the best-ranked candidate first, whole (see above)
+    value = chance[:]
+    if tree.children[0]:  # the best-ranked candidate also leaves the next step's Jacobi guess
         first = tree.first_chain(next(iter(tree.children[0].values())))
-        order = first + [i for i in order if i not in first]
+        rejected, reach = 1 - chance[first[0]], 1.0
+        for depth, i in enumerate(first, 1):
+            reach *= acceptance.p(("jacobi", min(depth, 4), 0))
+            value[i] += rejected * reach
+    order = sorted(range(1, len(tree)), key=lambda i: (-value[i], tree.depth[i]))
     prefix = [0.0]
     for i in order:
-        prefix.append(prefix[-1] + chance[i])
+        prefix.append(prefix[-1] + value[i])
     col_value = acceptance.window_yield()
     cheapest = min((c for s in (1, 2) if (c := costs.estimate(s))), default=1.0)
     best = (0.0, 0, 0, Shape(0, 0, 0, 1))  # `last` alone, should a cost model offer no size at all
@@ -612,8 +633,6 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
     ensure_cache(model, min(model.args.max_seq_len, len(prompt_ids) + max_new_tokens - 1 + step_max))
     dev, stop = model.device, set(stop_ids)
     slots = torch.arange(model.cache_len, device=dev)
-    # The step's mask is [committed cache: all True | step block]; one buffer serves every step.
-    mask_buf = torch.ones(step_max, model.cache_len, dtype=torch.bool, device=dev)
     costs = costs or STEP_COSTS.setdefault(model, StepCosts())
     acceptance = Acceptance()
 
@@ -631,6 +650,10 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
 
     gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
     tokens = [sampling.pick(prefill(model, prompt_ids)[0], gen).item()]
+    prefill_seconds = time.perf_counter() - start
+    # The step's mask is [committed cache: all True | step block | rest: False]; one buffer
+    # serves every step.
+    mask_buf = committed_mask(model, step_max)
     on_tokens and on_tokens(tokens[-1:])
     context = list(prompt_ids)  # and the committed tokens, for output_ngrams
 
@@ -686,8 +709,8 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
         seq, positions, block = step_inputs(tree, window, w, size, C, dev)
         mask_buf[:size, C:C + size] = block
         rows = list(range(n)) + list(range(n + (L - 1) * w, n + L * w))
-        logits = model(seq, positions, slots[C:C + size], mask_buf[:size, :C + size], rows=rows)
-        mask_buf[:size, C:C + size] = True  # restore: these slots are committed context next step
+        logits = model.step(seq, positions, slots[C:C + size], mask_buf[:size, :mask_width(model, C + size)], rows)
+        mask_buf[:size, C:C + size] = False
         pred = logits[0].argmax(-1).tolist()  # the one host sync per greedy step
         new_level = pred[n:]
 
@@ -705,6 +728,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
         #    they are what a sequential run would have written. Nothing else survives: the rest
         #    of this step's slots lie past the committed length and are overwritten next step.
         model.commit([C] + [C + v for v in path])
+        mask_buf[:, C:model.committed] = True
         # The first rejected guess's rows predicted the tokens that follow what is committed
         # now, from a context that is wrong in one token; as in Jacobi decoding, they are a
         # guess for the next step, and often right (the pool is often empty for `last`).
@@ -749,196 +773,9 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
         shapes.append(shape)
         costs.record(size, time.perf_counter() - step_start)
         on_tokens and on_tokens(new_tokens)
-    return Generation(tokens, steps, time.perf_counter() - start, accepted_lengths, shapes)
+    return Generation(tokens, steps, time.perf_counter() - start, accepted_lengths, shapes, prefill_seconds)
 
 
-# ---------------------------------------------------------------------------------------------
-# Command line
-
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-# --show: a colour per number of tokens a step committed (1 = plain).
-COLOURS = {2: "36", 3: "32", 4: "33", 5: "35"}
-
-
-def default_dtype(device):
-    """float32 on the CPU: without native bf16 matrix units, bf16 products of more than a
-    few tokens cost more than float32 ones there. On a GPU, the checkpoint's own dtype."""
-    return torch.float32 if torch.device(device).type == "cpu" else None
-
-
-def resolve_model(name: str) -> str:
-    """A local folder, or a Hugging Face Hub repo id looked up in (then fetched into) the local
-    Hugging Face cache."""
-    from pathlib import Path
-    if Path(name).exists() or name.count("/") != 1 or name.startswith((".", "/", "~")):
-        return name  # a folder; Transformer.from_pretrained says what is wrong with it
-    from huggingface_hub import snapshot_download
-    files = ["*.json", "*.safetensors", "*.jinja"]
-    try:
-        return snapshot_download(name, allow_patterns=files, local_files_only=True)
-    except Exception:
-        pass
-    try:
-        return snapshot_download(name, allow_patterns=files)
-    except Exception as e:
-        raise ValueError(f"model {name!r} is neither a folder nor in the Hugging Face cache, and could not be "
-                         f"downloaded ({type(e).__name__}); fetch it with `hf download {name}` where there is "
-                         f"network, or pass a checkpoint folder") from None
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not a usage dump
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
-def parse_args(argv):
-    ap = ArgumentParser(description="Lookahead decoding: greedy (or sampled) output, fewer forward passes.")
-    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or Hub repo id (default {DEFAULT_MODEL})")
-    ap.add_argument("--prompt", help="the prompt text")
-    ap.add_argument("--prompt-file", help="read the prompt from this file")
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--window", type=int, default=None,
-                    help="W: columns of the lookahead window (0: none); with --guesses, a fixed shape")
-    ap.add_argument("--ngram", type=int, default=None, help="N: n-gram length (window levels + 1; default 5)")
-    ap.add_argument("--guesses", type=int, default=None,
-                    help="G: candidates verified per step (default: the dynamic shape, chosen per step)")
-    ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
-    ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--show", action="store_true", help="colour tokens by how many their step committed")
-    ap.add_argument("--trace", type=int, nargs="?", const=3, default=0, metavar="STEPS",
-                    help="print what the first STEPS steps did (default 3)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)} (default: float32 on CPU, else the checkpoint's)")
-    args = ap.parse_args(argv)
-
-    if (args.prompt is None) == (args.prompt_file is None):
-        ap.error("give one of --prompt or --prompt-file")
-    if args.device not in (None, "cpu", "cuda") and not args.device.startswith("cuda:"):
-        ap.error(f"unknown device {args.device!r} (cpu or cuda)")
-    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error("--device cuda, but PyTorch sees no CUDA GPU here")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.dtype is not None and args.dtype not in DTYPES:
-        ap.error(f"unknown dtype {args.dtype!r} (one of {', '.join(DTYPES)})")
-    if args.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        ap.error("this GPU does not support bfloat16; use --dtype float16")
-    if (args.window is None) != (args.guesses is None):
-        ap.error("a fixed shape needs both --window and --guesses (neither: the dynamic shape)")
-    for name, value, least in (("window", args.window, 0), ("ngram", args.ngram, 2), ("guesses", args.guesses, 0),
-                               ("max-new-tokens", args.max_new_tokens, 1)):
-        if value is not None and value < least:
-            ap.error(f"--{name} must be at least {least}, got {value}")
-    try:
-        args.sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    except ValueError as e:
-        ap.error(str(e))
-    if args.prompt_file is not None:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                args.prompt = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            ap.error(f"cannot read the prompt file {args.prompt_file}: {getattr(e, 'strerror', None) or e}")
-    if not args.prompt.strip():
-        ap.error("the prompt is empty")
-    args.device = device
-    return args
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    from tokenizer import TextStream, Tokenizer
-    colour = args.show and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    try:
-        path = resolve_model(args.model)
-        model = Transformer.from_pretrained(path, args.device, DTYPES.get(args.dtype) or default_dtype(args.device))
-        tokenizer = Tokenizer.from_pretrained(path)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-        prompt_ids = tokenizer.encode(text)
-        stop_ids = tokenizer.stop_ids or model.args.eos_ids
-        sampling = args.sampling
-
-        def piece(ids):  # a token as the trace shows it
-            return repr(tokenizer.decode(list(ids) if isinstance(ids, (list, tuple)) else [ids]))
-
-        def trace(step):
-            if step["step"] >= args.trace:
-                return
-            s = step["shape"]
-            out = [f"\n-- step {step['step'] + 1}: last token {piece(step['last'])}; {s.size} tokens: "
-                   f"{s.guesses} guesses, window {s.window}x{s.levels}"
-                   + (f", expected to commit {s.expected:.2f} at {s.cost:.2f}x the cheapest step" if s.expected else "")]
-            for i, level in enumerate(step["window"]):
-                out.append(f"   window level {i}: " + " ".join(piece(t) for t in level))
-            for g, cand in enumerate(step["candidates"]):
-                mark = f"<- {step['accepted']} accepted" if g == step["winner"] and step["accepted"] else ""
-                source = "jacobi guess" if step["sources"][g] == "jacobi" else f"candidate {g}"
-                out.append(f"   {source}: " + " ".join(piece(t) for t in cand) + f"  {mark}")
-            if not step["candidates"]:
-                out.append("   no candidates start with the last token")
-            out.append(f"   committed {len(step['committed'])}: {piece(step['committed'])}")
-            print("\n".join(out), file=sys.stderr, flush=True)
-
-        def run(greedy: bool, stream: bool) -> Generation:
-            out = TextStream(tokenizer)
-            stop = set(stop_ids)
-
-            def on_tokens(ids):
-                text = out.push([t for t in ids if t not in stop])  # the stop token ends, it is not text
-                if colour and len(ids) > 1 and text:
-                    text = f"\033[{COLOURS[min(len(ids), 5)]}m{text}\033[0m"
-                print(text, end="", flush=True)
-
-            name = ("greedy" if greedy else "lookahead, dynamic shape" if args.window is None
-                    else f"lookahead W={args.window} N={args.ngram or 5} G={args.guesses}")
-            if not sampling.greedy:
-                name += f", temperature {sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
-            try:
-                if greedy and sampling.greedy:
-                    gen = greedy_decode(model, prompt_ids, args.max_new_tokens, stop_ids, on_tokens if stream else None)
-                elif greedy:
-                    gen = sample_decode(model, prompt_ids, args.max_new_tokens, sampling.temperature, sampling.top_k,
-                                        sampling.top_p, args.seed, stop_ids, on_tokens if stream else None)
-                else:
-                    gen = lookahead_decode(model, prompt_ids, args.max_new_tokens, args.window, args.ngram,
-                                           args.guesses, stop_ids, seed=args.seed, on_tokens=on_tokens if stream else None,
-                                           temperature=sampling.temperature, top_k=sampling.top_k,
-                                           top_p=sampling.top_p, on_step=trace if args.trace else None)
-            finally:
-                if stream:
-                    print(out.flush(), flush=True)
-            hist = " ".join(f"{n}:{c}" for n, c in gen.histogram.items())
-            sizes = " ".join(f"{n}:{c}" for n, c in sorted(Counter(s.size for s in gen.shapes).items()))
-            print(f"[{name}] {len(gen.tokens)} tokens, {gen.steps} steps, {gen.tokens_per_step:.2f} tokens/step "
-                  f"(steps by tokens committed {hist or '-'}" + (f"; by size {sizes}" if sizes else "")
-                  + f"), {gen.tokens_per_second:.1f} tokens/s", file=sys.stderr)
-            return gen
-
-        if colour and not args.greedy:
-            print("legend: plain = 1 token/step, " + ", ".join(f"\033[{c}m{n}{'+' if n == 5 else ''} tokens\033[0m"
-                                                               for n, c in COLOURS.items()), file=sys.stderr)
-        if not args.compare:
-            run(args.greedy, stream=True)
-            return 0
-        base = run(True, stream=False)
-        ours = run(False, stream=True)
-        same = base.tokens == ours.tokens
-        verdict = f"identical to greedy: {'yes' if same else 'NO'}" if sampling.greedy else "sampled: tokens may differ"
-        print(f"{verdict}; speed-up {base.seconds / ours.seconds:.2f}x; "
-              f"compression {ours.tokens_per_step:.2f} tokens/step", file=sys.stderr)
-        return 0 if same or not sampling.greedy else 1
-    except KeyboardInterrupt:
-        print("\n[interrupted]", file=sys.stderr)
-        return 130
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the command line lives in cli.py; `python lookahead.py --prompt ...` runs it
+    from cli import main
     sys.exit(main())

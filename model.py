@@ -9,6 +9,8 @@ Loads Hugging Face checkpoints (config.json + safetensors) straight onto the dev
 """
 import json
 import math
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,16 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+# The step sizes a decoder runs after the prefill: a step of n tokens is padded to the next one
+# (step_size), so there are few shapes: one cost estimate per shape for the dynamic lookahead
+# shape, one compiled graph per shape (Transformer.compile_steps).
+STEP_SIZES = tuple(1 << i for i in range(8))  # 1, 2, 4, ..., 128
+
+
+def step_size(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 @dataclass
@@ -115,18 +127,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in float32 like the reference implementation, so bf16 runs round the same way.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-def cpu_columns(n: int) -> int:
-    """How many columns to multiply n tokens as on the CPU: MKL's sgemm with few columns is
-    cheaper at some counts than at fewer. SmolLM2's 30 layers of products, time against 2
-    columns, on the 2-core AVX2 EPYC of the README (W @ x^T, median of 20):
-        columns  1     2     3     4     5     6     7     8     12    16
-        time     1.04  1.00  1.45  1.01  1.42  1.73  2.21  1.86  2.43  1.88
-    (1 column: 1.04-1.3 in other runs.) So 1 is multiplied as 2, 3 as 4, 7 as 8, 9-15 as 16."""
-    return {1: 2, 3: 4, 7: 8}.get(n, 16 if 8 < n < 16 else n)
+        # Normalise in float32 at least, like the reference implementation, so bf16 runs round
+        # the same way (and a float64 model stays float64 throughout).
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self.weight * F.rms_norm(wide, (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -137,6 +141,11 @@ class Linear(nn.Linear):
     streamed once. On a 2-core AVX2 EPYC this makes the layers' products for 2 to 4 tokens cost
     about what one token costs (F.linear takes 1.2-2.4x as long there), which is what lets
     lookahead pay off on a CPU at all (README, Performance).
+
+    A single token is multiplied as two columns (a copy, dropped after): MKL's one-column path
+    took 1.04-1.3x the time of two columns there. Other counts come padded to STEP_SIZES by the
+    decoder (powers of two, which MKL multiplies no slower than the counts just below them:
+    3 columns took 1.45x the time of 2, 4 columns 1.01x).
     """
 
     def forward(self, x):
@@ -144,9 +153,8 @@ class Linear(nn.Linear):
             return super().forward(x)
         x2 = x.reshape(-1, x.shape[-1])  # (B*T, in)
         n = x2.shape[0]
-        m = cpu_columns(n)
-        if m > n:  # a few more columns (copies of the first, dropped after) cost less
-            x2 = torch.cat((x2, x2[:1].expand(m - n, -1)))
+        if n == 1:
+            x2 = torch.cat((x2, x2))
         y = torch.mm(self.weight, x2.t())[:, :n].t().contiguous()  # (B*T, out)
         if self.bias is not None:
             y = y + self.bias
@@ -161,9 +169,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim,
                                bias=args.attention_bias)
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.k_cache = self.v_cache = None  # (B, n_kv_heads, cache_len, head_dim) views of Transformer.kv_cache
 
-    def forward(self, x, cos, sin, slots, attn_mask):
+    def forward(self, x, cos, sin, slots, attn_mask, cache):
+        """cache: this layer's (2, B, n_kv_heads, cache_len, head_dim) part of Transformer.kv_cache."""
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, hd)
@@ -171,13 +179,17 @@ class Attention(nn.Module):
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, hd)
         k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, hd)
         v = qkv[:, :, H + Hkv:].transpose(1, 2)
-        if slots is not None:
-            # Write this step's K/V where the caller put them, then attend over the first S slots
-            # (S = mask width): the rest of the cache is unused, so it costs nothing.
-            self.k_cache.index_copy_(2, slots, k)
-            self.v_cache.index_copy_(2, slots, v)
-            S = attn_mask.shape[-1]
-            k, v = self.k_cache[:, :, :S], self.v_cache[:, :, :S]  # (B, Hkv, S, hd)
+        if slots is not None:  # write this call's K/V where the caller put them
+            cache[0].index_copy_(2, slots, k)
+            cache[1].index_copy_(2, slots, v)
+        if attn_mask is None:
+            # Causal among this call's own tokens and nothing else (a prefill): SDPA's causal
+            # kernels never build a (T, T) mask, so memory stays linear in T.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)  # (B, H, T, hd)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))
+        # Attend over the first S slots of the cache (S = mask width): the rest is unused.
+        S = attn_mask.shape[-1]
+        k, v = cache[0, :, :, :S], cache[1, :, :, :S]  # (B, Hkv, S, hd)
         # Grouped-query attention: K/V head j serves query heads j*group .. (j+1)*group - 1.
         # Folding those heads into one longer query, (B, Hkv, group*T, hd), lets any SDPA kernel
         # run GQA under a mask without copying K/V; the mask's rows are repeated per head to
@@ -208,8 +220,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, slots, attn_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, attn_mask)
+    def forward(self, x, cos, sin, slots, attn_mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, attn_mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -227,7 +239,11 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # float32 even in a bf16 model: positions in the thousands need the precision.
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        self.kv_cache = None  # (n_layers, 2, B, n_kv_heads, cache_len, head_dim), see setup_cache
+        # (n_layers, 2, B, n_kv_heads, cache_len, head_dim), see setup_cache. A buffer, so that a
+        # compiled step may write into it in place (CUDA graphs need its address fixed).
+        self.register_buffer("kv_cache", None, persistent=False)
+        self.compiled_step = None  # see compile_steps
+        self.compiled_sizes = ()
         self.cache_len = 0  # slots in the KV cache; 0 = none set up
         self.committed = 0  # slots [0, committed) hold the K/V of the accepted sequence
 
@@ -247,10 +263,10 @@ class Transformer(nn.Module):
         if max_seq_len > self.args.max_seq_len:
             raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
         a = self.args
+        if self.compiled_step is not None:
+            raise ValueError("a compiled model keeps the cache it was compiled with")
         self.kv_cache = torch.zeros(a.n_layers, 2, batch, a.n_kv_heads, max_seq_len, a.head_dim,
                                     dtype=self.dtype, device=self.device)
-        for layer, (k, v) in zip(self.layers, self.kv_cache):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
         self.cache_len, self.committed = max_seq_len, 0
 
     def commit(self, src_slots: list[int]):
@@ -269,8 +285,10 @@ class Transformer(nn.Module):
 
     def rope(self, positions):
         """cos and sin for RoPE at these positions, (T, 1, head_dim), with rotate_half's sign in
-        sin (apply_rope). Computed once per forward for all layers, in float32."""
-        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, head_dim/2)
+        sin (apply_rope). Computed once per forward for all layers, in float32 at least (a
+        bf16 model needs the precision for positions in the thousands; a float64 one keeps its own)."""
+        wide = torch.promote_types(self.dtype, torch.float32)
+        angles = positions.to(wide)[:, None] * self.inv_freq.to(wide)[None, :]  # (T, head_dim/2)
         cos, sin = angles.cos(), angles.sin()
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         return cos[:, None].to(self.dtype), sin[:, None].to(self.dtype)
@@ -288,29 +306,75 @@ class Transformer(nn.Module):
     def forward(self, tokens, positions=None, slots=None, mask=None, rows=None):
         """tokens (B, T) -> logits (B, T, vocab).
 
-        Alone: a plain causal forward from position 0, no cache. With the cache: token t sits at
-        RoPE position positions[t], writes its K/V into cache slot slots[t], and attends to the
-        cache slots s < S where mask[t, s] is True (mask is (T, S), S <= cache_len).
+        Without a mask: causal among these tokens alone, at positions 0..T-1 unless given (a
+        prefill; with `slots`, their K/V also go into those cache slots). With the cache: token t
+        sits at RoPE position positions[t], writes its K/V into cache slot slots[t], and attends
+        to the cache slots s < S where mask[t, s] is True (mask is (T, S), S <= cache_len).
         rows: compute logits only for these token indices (the LM head is a large part of a
         small model's step, and lookahead reads few of the rows).
         """
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device)
-            mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-        elif slots is None or mask is None:
-            raise ValueError("positions, slots and mask go together")
+        if mask is not None and slots is None:
+            raise ValueError("a mask attends over the cache: give the slots too")
         cos, sin = self.rope(positions)
-        attn_mask = self.attention_mask(mask)
+        attn_mask = None if mask is None else self.attention_mask(mask)
         x = self.embed_tokens(tokens)  # (B, T, dim)
-        for layer in self.layers:
-            x = layer(x, cos, sin, slots, attn_mask)
+        caches = self.kv_cache if self.kv_cache is not None else [None] * len(self.layers)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cos, sin, slots, attn_mask, cache)
         if rows is not None:
             x = x[:, rows]
         return self.lm_head(self.norm(x))
 
+    def step(self, tokens, positions, slots, mask, rows):
+        """One decoding step: forward(tokens, positions, slots, mask) -> logits (B, len(rows), V).
+
+        Compiled (compile_steps), a step of a compiled size over the whole cache (mask (T,
+        cache_len)) replays its graph, which computes every row's logits (a fixed shape), and
+        `rows` are picked from them after; anything else runs eagerly."""
+        T = tokens.shape[1]
+        if self.compiled_step is not None and T in self.compiled_sizes and mask.shape[-1] == self.cache_len:
+            return self.compiled_step(tokens, positions, slots, mask)[:, rows]
+        return self(tokens, positions, slots, mask, rows=rows)
+
+    def compile_steps(self, sizes, cache_len=None, log=None):
+        """Compile the step forward with torch.compile once per step size, now, so that no
+        request compiles later: on CUDA as CUDA graphs ("reduce-overhead": one replay instead of
+        ~1,100 kernel launches), on the CPU with inductor's C++ kernels.
+
+        Every compiled step has a fixed shape: T tokens, attention over the whole cache under
+        the mask (no slicing by the committed length), all T rows of logits. So the cache is
+        allocated once, here, with cache_len slots (default: the model's context), and kept."""
+        with torch.inference_mode():  # as the decoders run (a graph is specialised on it)
+            self._compile_steps(sizes, cache_len, log)
+
+    def _compile_steps(self, sizes, cache_len, log):
+        self.setup_cache(cache_len or self.args.max_seq_len)
+        torch._dynamo.mark_static_address(self.kv_cache)
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        self.compiled_step = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
+        for T in sizes:
+            start = time.perf_counter()
+            idx = torch.arange(T, device=self.device)
+            mask = torch.zeros(T, self.cache_len, dtype=torch.bool, device=self.device)
+            mask[idx, idx] = True
+            for _ in range(3 if mode else 1):  # CUDA graphs record on the second or third call
+                self.compiled_step(torch.zeros(1, T, dtype=torch.long, device=self.device), idx, idx.clone(), mask)
+            log and log(f"compiled the {T}-token step in {time.perf_counter() - start:.1f} s")
+        self.compiled_sizes = tuple(sizes)
+        self.committed = 0
+
     @classmethod
-    def from_pretrained(cls, path, device=None, dtype=None) -> "Transformer":
+    def from_pretrained(cls, path, device=None, dtype=None, compile=False) -> "Transformer":
+        """Load a Hugging Face checkpoint folder onto `device` (default: CUDA when there is one).
+
+        compile: compile every step size of STEP_SIZES now (compile_steps), with a line per size.
+
+        dtype: float32 unless given, on every device, so that lookahead's output is exactly
+        greedy's; bfloat16 / float16 are faster on a GPU but round a T-token step differently
+        from a 1-token one, which can flip a near-tie between the top two tokens."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"model folder not found: {path}")
@@ -319,6 +383,7 @@ class Transformer(nn.Module):
         args = ModelArgs.from_hf_config(json.loads((path / "config.json").read_text()))
         files = weight_files(path)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or torch.float32
 
         with torch.device("meta"):
             model = cls(args)
@@ -344,8 +409,11 @@ class Transformer(nn.Module):
                     t = f.get_tensor(key)
                     if t.shape != expected[name]:
                         raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
-                    dtype = dtype or t.dtype  # the checkpoint's own dtype unless asked otherwise
-                    loaded[name] = t.to(dtype)
+                    try:
+                        loaded[name] = t.to(dtype)
+                    except torch.OutOfMemoryError:
+                        raise ValueError(f"the model does not fit on {device} in {str(dtype).removeprefix('torch.')}; "
+                                         "bfloat16 takes half the memory (--dtype bfloat16)") from None
         missing = sorted(set(expected) - set(loaded))
         if missing:
             raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}"
@@ -358,7 +426,10 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(args).to(device)
-        return model.eval().requires_grad_(False)
+        model.eval().requires_grad_(False)
+        if compile:
+            model.compile_steps(STEP_SIZES, log=lambda line: print(line, file=sys.stderr, flush=True))
+        return model
 
 
 def fused_from(name: str, args: ModelArgs) -> list[tuple[str, int | None]]:

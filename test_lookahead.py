@@ -10,8 +10,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import assert_matches_reference, random_model, write_tokenizer
 from model import Transformer
 from tokenizer import Tokenizer
-from lookahead import (NGramPool, Sampling, StepCosts, Tree, greedy_decode, lookahead_decode, main,
-                       sample_decode, step_inputs, step_size)
+from cli import main
+from lookahead import (NGramPool, Sampling, StepCosts, Tree, greedy_decode, lookahead_decode, sample_decode,
+                       step_inputs)
+from model import step_size
 
 
 SIZES = [1 << i for i in range(8)]  # the step sizes of the dynamic shape's menu
@@ -265,27 +267,36 @@ def test_step_costs_climb_one_size_at_a_time_and_extrapolate_the_growth():
 
 def test_the_dynamic_step_verifies_the_likeliest_guesses():
     # A trie, the acceptance so far and a cost model where 4 tokens cost what 1 does and 8 are
-    # dear: the step must take the best-ranked candidate whole, then the guesses whose chances
-    # (products down the trie) sum highest, found here by brute force over every set closed
-    # under parents.
+    # dear: the step must take the 3 guesses whose values sum highest, found here by brute force
+    # over every set closed under parents. A guess is worth its chance (the product down the
+    # trie); the best-ranked candidate's also carry the chance that the Jacobi guess they leave
+    # when rejected is accepted next step.
     from itertools import combinations
     from lookahead import Acceptance, choose_shape
     tree = Tree(last=0)
-    for chain, kind in [((5,), "context"), ((1, 2, 3), "pool"), ((1, 2, 4), "pool"), ((7, 8, 9), "jacobi")]:
+    for chain, kind in [((5, 6), "context"), ((1, 2, 3), "pool"), ((1, 2, 4), "pool"), ((7, 8, 9), "jacobi")]:
         tree.add(chain, kind)
     acceptance = Acceptance()
-    acceptance.record(tree, [2, 3], w=0)  # the pool's first two guesses were right once
+    acceptance.record(tree, [3, 4], w=0)  # the pool's first two guesses were right once
+    jacobi = Tree(last=0)
+    jacobi.add((1, 2), "jacobi")
+    for _ in range(8):  # and Jacobi guesses were right, twice in a row, 8 times
+        acceptance.record(jacobi, [1, 2], w=0)
     chance = [1.0] * len(tree)
     for i in range(1, len(tree)):
         chance[i] = chance[tree.parent[i]] * acceptance.p(acceptance.key(tree, i))
-    first = {tree.node([5])}
-    rest = [i for i in range(1, len(tree)) if i not in first]
-    closed = [set(c) | first for c in combinations(rest, 2) if all(tree.parent[i] in set(c) | {0} for i in c)]
-    best = max(closed, key=lambda c: sum(chance[i] for i in c))
+    value = chance[:]
+    five, six = tree.node([5]), tree.node([5, 6])
+    jacobi_1, jacobi_2 = acceptance.p(("jacobi", 1, 0)), acceptance.p(("jacobi", 2, 0))
+    value[five] += (1 - chance[five]) * jacobi_1
+    value[six] += (1 - chance[five]) * jacobi_1 * jacobi_2
+    closed = [c for c in combinations(range(1, len(tree)), 3) if all(tree.parent[i] in c + (0,) for i in c)]
+    best = max(closed, key=lambda c: sum(value[i] for i in c))
+    assert best != max(closed, key=lambda c: sum(chance[i] for i in c))  # the Jacobi value matters here
     kept, w, shape = choose_shape(tree, acceptance, StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 9.0}), 1, 0, 128)
     assert w == 0 and shape.size == 4 and shape.guesses == 3
     assert sorted(kept.path(i) for i in range(1, len(kept))) == sorted(tree.path(i) for i in best)
-    assert shape.expected == pytest.approx(1 + sum(chance[i] for i in best))
+    assert shape.expected == pytest.approx(1 + sum(value[i] for i in best))
     # Where every step costs the same the whole trie goes in, and the window too.
     kept, w, shape = choose_shape(tree, acceptance, StepCosts.flat(), 2, 16, 128)
     assert len(kept) == len(tree) and w == 16 and shape.size == 64
@@ -586,13 +597,13 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
 
 
 def test_cli_ctrl_c_stops_cleanly(tiny_checkpoint, capsys, monkeypatch):
-    import lookahead
+    import cli
 
     def interrupted(model, prompt_ids, max_new_tokens, *args, on_tokens=None, **kwargs):
         on_tokens([7, 8])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(lookahead, "lookahead_decode", interrupted)
+    monkeypatch.setattr(cli, "lookahead_decode", interrupted)
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8")
     assert code == 130
     assert "w7 w8" in out and "[interrupted]" in err
@@ -647,4 +658,5 @@ def test_bench_reports_a_wrong_decoder(tiny_checkpoint, tmp_path, capsys, monkey
     code = bench.main(["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--configs", "2,3,2",
                        "--max-new-tokens", "6", "--repeats", "1"])
     assert code == 1
-    assert capsys.readouterr().out.rstrip().endswith("NO")
+    table = capsys.readouterr().out
+    assert any(line.strip().startswith("2,3,2") and line.endswith("NO") for line in table.split("\n")), table

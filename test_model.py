@@ -28,9 +28,9 @@ VARIANTS = {
 def test_variants_load_and_match(tmp_path, variant):
     model = random_model(**VARIANTS[variant])
     model_type = "qwen2" if variant == "qwen2_bias" else "llama"
-    loaded = Transformer.from_pretrained(write_checkpoint(tmp_path, model, model_type), "cpu")
+    loaded = Transformer.from_pretrained(write_checkpoint(tmp_path, model, model_type), "cpu", torch.float64)
     assert loaded.args == model.args
-    assert loaded.dtype == torch.float64  # the checkpoint's own dtype
+    assert loaded.dtype == torch.float64
     tokens = torch.randint(0, 32, (1, 12))
     torch.testing.assert_close(loaded(tokens), model(tokens), rtol=0, atol=1e-12)
     if model.args.tie_word_embeddings:
@@ -125,7 +125,7 @@ def ancestry(parents, i):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_linear_equals_f_linear_for_any_token_count(bias):
-    # On the CPU, Linear multiplies some token counts with copies added (model.cpu_columns);
+    # On the CPU, Linear multiplies a single token with a copy added;
     # the copies must never leak into the result, whatever the count and batch shape.
     torch.manual_seed(0)
     layer = Linear(24, 40, bias=bias).double()
@@ -162,6 +162,43 @@ def test_commit_copies_slots_like_a_fresh_run():
 
 
 # --- bad checkpoints -------------------------------------------------------------------------
+
+def test_float32_by_default_whatever_the_checkpoint_stores(tmp_path):
+    # bfloat16 is opt-in: by default a checkpoint saved in bf16 loads as float32 (exactly greedy).
+    folder = write_checkpoint(tmp_path / "bf16", random_model(seed=1).to(torch.bfloat16))
+    assert Transformer.from_pretrained(folder, "cpu").dtype == torch.float32
+    assert Transformer.from_pretrained(folder, "cpu", torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_rms_norm_of_a_float64_model_stays_float64():
+    model = random_model(seed=1)  # float64
+    x = torch.randn(3, model.args.dim, dtype=torch.float64)
+    norm = model.norm
+    want = norm.weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    torch.testing.assert_close(norm(x), want, rtol=0, atol=1e-13)  # float32 rounding would be ~1e-7
+
+
+def test_the_prefill_builds_no_mask_and_matches_masked_steps(monkeypatch):
+    # A prompt's prefill is causal through SDPA's own kernels: no (P, P) mask is ever built, and
+    # its cache and logits are those of running the prompt through the masked path.
+    from lookahead import prefill
+    model = random_model(seed=6)
+    prompt = [int(t) for t in torch.randint(0, model.args.vocab_size, (40,), generator=torch.Generator().manual_seed(0))]
+    model.setup_cache(64)
+    idx = torch.arange(40)
+    want = model(torch.tensor([prompt]), idx, idx, torch.ones(40, 40, dtype=torch.bool).tril())[:, -1:]
+    want_cache = model.kv_cache[..., :40, :].clone()
+    model.setup_cache(64)
+
+    def no_mask(*args):
+        raise AssertionError("the prefill built an attention mask")
+
+    monkeypatch.setattr(model, "attention_mask", no_mask)
+    got = prefill(model, prompt)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.kv_cache[..., :40, :], want_cache, rtol=0, atol=1e-12)
+    assert model.committed == 40
+
 
 def test_missing_folder_and_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
@@ -241,3 +278,48 @@ def test_text_stream_keeps_spaces_and_whole_characters(smollm2_path):
     pieces.append(stream.flush())
     assert "".join(pieces) == text
     assert any(p == "" for p in pieces)  # some character did span several tokens
+
+
+# --- the compiled step ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compiled_pair():
+    """The same tiny float64 model twice: eager, and with every step size up to 8 compiled."""
+    eager = random_model(seed=9, vocab_size=16, max_seq_len=96)
+    compiled = random_model(seed=9, vocab_size=16, max_seq_len=96)
+    compiled.compile_steps((1, 2, 4, 8))
+    return eager, compiled
+
+
+def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(compiled_pair):
+    from torch._dynamo.utils import counters
+    from lookahead import StepCosts, greedy_decode, lookahead_decode, sample_decode
+    eager, compiled = compiled_pair
+    graphs = counters["stats"]["unique_graphs"]
+    costs = StepCosts({1: 1.0, 2: 1.0, 4: 1.1, 8: 1.3})  # a fixed cost model: repeatable shapes
+    for prompt, n in (([1, 2, 3, 1, 2, 3, 1, 2], 30), ([5, 6, 7, 8, 9] * 3, 41), ([4], 12)):
+        runs = [
+            lambda m: greedy_decode(m, prompt, n),
+            lambda m: lookahead_decode(m, prompt, n, costs=costs),
+            lambda m: lookahead_decode(m, prompt, n, 2, 3, 1),  # 7 tokens a step, padded to 8
+            lambda m: lookahead_decode(m, prompt, n, 1, 3, 1, temperature=0.9, seed=4),
+            lambda m: sample_decode(m, prompt, n, temperature=0.9, seed=4),
+        ]
+        for run in runs:
+            want, got = run(eager), run(compiled)
+            assert got.tokens == want.tokens and got.accepted == want.accepted
+            # Padding and the whole-cache attention leave the committed cache as eager's.
+            C = compiled.committed
+            assert C == eager.committed
+            torch.testing.assert_close(compiled.kv_cache[..., :C, :], eager.kv_cache[..., :C, :], rtol=0, atol=1e-10)
+    assert counters["stats"]["unique_graphs"] == graphs  # new prompt lengths and lengths: no new graph
+    assert any(s.size > 1 + s.guesses + s.window * s.levels
+               for s in lookahead_decode(compiled, [1, 2, 3, 1, 2, 3], 30, 2, 3, 1).shapes)  # padding ran
+
+
+def test_a_compiled_model_keeps_its_cache(compiled_pair):
+    _, compiled = compiled_pair
+    assert compiled.cache_len == 96 and isinstance(compiled.kv_cache, torch.Tensor)
+    assert "kv_cache" in dict(compiled.named_buffers())  # a buffer: its address is fixed for CUDA graphs
+    with pytest.raises(ValueError, match="compiled"):
+        compiled.setup_cache(48)

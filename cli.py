@@ -1,0 +1,203 @@
+"""The command line: `python lookahead.py --prompt ...` (or `python cli.py ...`) runs main().
+
+Loads a checkpoint (a folder or a Hugging Face Hub id, through the local cache), encodes the
+prompt (optionally through the chat template), and streams lookahead's output, with --compare
+(greedy beside it), --show (colours by tokens per step) and --trace (what each step did).
+"""
+import argparse
+import os
+import sys
+from collections import Counter
+
+import torch
+
+from lookahead import Generation, Sampling, greedy_decode, lookahead_decode, sample_decode
+from model import Transformer
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# --show: a colour per number of tokens a step committed (1 = plain).
+COLOURS = {2: "36", 3: "32", 4: "33", 5: "35"}
+
+
+def resolve_model(name: str) -> str:
+    """A local folder, or a Hugging Face Hub repo id looked up in (then fetched into) the local
+    Hugging Face cache."""
+    from pathlib import Path
+    if Path(name).exists() or name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return name  # a folder; Transformer.from_pretrained says what is wrong with it
+    from huggingface_hub import snapshot_download
+    files = ["*.json", "*.safetensors", "*.jinja"]
+    try:
+        return snapshot_download(name, allow_patterns=files, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return snapshot_download(name, allow_patterns=files)
+    except Exception as e:
+        raise ValueError(f"model {name!r} is neither a folder nor in the Hugging Face cache, and could not be "
+                         f"downloaded ({type(e).__name__}); fetch it with `hf download {name}` where there is "
+                         f"network, or pass a checkpoint folder") from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not a usage dump
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def parse_args(argv):
+    ap = ArgumentParser(description="Lookahead decoding: greedy (or sampled) output, fewer forward passes.")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or Hub repo id (default {DEFAULT_MODEL})")
+    ap.add_argument("--prompt", help="the prompt text")
+    ap.add_argument("--prompt-file", help="read the prompt from this file")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--window", type=int, default=None,
+                    help="W: columns of the lookahead window (0: none); with --guesses, a fixed shape")
+    ap.add_argument("--ngram", type=int, default=None, help="N: n-gram length (window levels + 1; default 5)")
+    ap.add_argument("--guesses", type=int, default=None,
+                    help="G: candidates verified per step (default: the dynamic shape, chosen per step)")
+    ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
+    ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--show", action="store_true", help="colour tokens by how many their step committed")
+    ap.add_argument("--trace", type=int, nargs="?", const=3, default=0, metavar="STEPS",
+                    help="print what the first STEPS steps did (default 3)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile every step size first (CUDA graphs on a GPU; about a minute per size on a CPU)")
+    ap.add_argument("--dtype", default="float32",
+                    help=f"{', '.join(DTYPES)} (default float32: exactly greedy; bfloat16 is faster on a GPU, "
+                         "but its rounding can flip near-ties)")
+    args = ap.parse_args(argv)
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        ap.error("give one of --prompt or --prompt-file")
+    if args.device not in (None, "cpu", "cuda") and not args.device.startswith("cuda:"):
+        ap.error(f"unknown device {args.device!r} (cpu or cuda)")
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda, but PyTorch sees no CUDA GPU here")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.dtype not in DTYPES:
+        ap.error(f"unknown dtype {args.dtype!r} (one of {', '.join(DTYPES)})")
+    if args.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        ap.error("this GPU does not support bfloat16; use --dtype float16")
+    if (args.window is None) != (args.guesses is None):
+        ap.error("a fixed shape needs both --window and --guesses (neither: the dynamic shape)")
+    for name, value, least in (("window", args.window, 0), ("ngram", args.ngram, 2), ("guesses", args.guesses, 0),
+                               ("max-new-tokens", args.max_new_tokens, 1)):
+        if value is not None and value < least:
+            ap.error(f"--{name} must be at least {least}, got {value}")
+    try:
+        args.sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                args.prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            ap.error(f"cannot read the prompt file {args.prompt_file}: {getattr(e, 'strerror', None) or e}")
+    if not args.prompt.strip():
+        ap.error("the prompt is empty")
+    args.device = device
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from tokenizer import TextStream, Tokenizer
+    colour = args.show and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    try:
+        path = resolve_model(args.model)
+        model = Transformer.from_pretrained(path, args.device, DTYPES[args.dtype], compile=args.compile)
+        tokenizer = Tokenizer.from_pretrained(path)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        prompt_ids = tokenizer.encode(text)
+        stop_ids = tokenizer.stop_ids or model.args.eos_ids
+        sampling = args.sampling
+
+        def piece(ids):  # a token as the trace shows it
+            return repr(tokenizer.decode(list(ids) if isinstance(ids, (list, tuple)) else [ids]))
+
+        def trace(step):
+            if step["step"] >= args.trace:
+                return
+            s = step["shape"]
+            out = [f"\n-- step {step['step'] + 1}: last token {piece(step['last'])}; {s.size} tokens: "
+                   f"{s.guesses} guesses, window {s.window}x{s.levels}"
+                   + (f", expected to commit {s.expected:.2f} at {s.cost:.2f}x the cheapest step" if s.expected else "")]
+            for i, level in enumerate(step["window"]):
+                out.append(f"   window level {i}: " + " ".join(piece(t) for t in level))
+            for g, cand in enumerate(step["candidates"]):
+                mark = f"<- {step['accepted']} accepted" if g == step["winner"] and step["accepted"] else ""
+                source = "jacobi guess" if step["sources"][g] == "jacobi" else f"candidate {g}"
+                out.append(f"   {source}: " + " ".join(piece(t) for t in cand) + f"  {mark}")
+            if not step["candidates"]:
+                out.append("   no candidates start with the last token")
+            out.append(f"   committed {len(step['committed'])}: {piece(step['committed'])}")
+            print("\n".join(out), file=sys.stderr, flush=True)
+
+        def run(greedy: bool, stream: bool) -> Generation:
+            out = TextStream(tokenizer)
+            stop = set(stop_ids)
+
+            def on_tokens(ids):
+                text = out.push([t for t in ids if t not in stop])  # the stop token ends, it is not text
+                if colour and len(ids) > 1 and text:
+                    text = f"\033[{COLOURS[min(len(ids), 5)]}m{text}\033[0m"
+                print(text, end="", flush=True)
+
+            name = ("greedy" if greedy else "lookahead, dynamic shape" if args.window is None
+                    else f"lookahead W={args.window} N={args.ngram or 5} G={args.guesses}")
+            if not sampling.greedy:
+                name += f", temperature {sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
+            try:
+                if greedy and sampling.greedy:
+                    gen = greedy_decode(model, prompt_ids, args.max_new_tokens, stop_ids, on_tokens if stream else None)
+                elif greedy:
+                    gen = sample_decode(model, prompt_ids, args.max_new_tokens, sampling.temperature, sampling.top_k,
+                                        sampling.top_p, args.seed, stop_ids, on_tokens if stream else None)
+                else:
+                    gen = lookahead_decode(model, prompt_ids, args.max_new_tokens, args.window, args.ngram,
+                                           args.guesses, stop_ids, seed=args.seed, on_tokens=on_tokens if stream else None,
+                                           temperature=sampling.temperature, top_k=sampling.top_k,
+                                           top_p=sampling.top_p, on_step=trace if args.trace else None)
+            finally:
+                if stream:
+                    print(out.flush(), flush=True)
+            hist = " ".join(f"{n}:{c}" for n, c in gen.histogram.items())
+            sizes = " ".join(f"{n}:{c}" for n, c in sorted(Counter(s.size for s in gen.shapes).items()))
+            print(f"[{name}] {len(gen.tokens)} tokens, {gen.steps} steps, {gen.tokens_per_step:.2f} tokens/step "
+                  f"(steps by tokens committed {hist or '-'}" + (f"; by size {sizes}" if sizes else "")
+                  + f"), prefill {len(prompt_ids)} tokens in {gen.prefill_seconds:.2f} s, "
+                  f"decode {gen.decode_tokens_per_second:.1f} tokens/s, {gen.tokens_per_second:.1f} tokens/s in all",
+                  file=sys.stderr)
+            return gen
+
+        if colour and not args.greedy:
+            print("legend: plain = 1 token/step, " + ", ".join(f"\033[{c}m{n}{'+' if n == 5 else ''} tokens\033[0m"
+                                                               for n, c in COLOURS.items()), file=sys.stderr)
+        if not args.compare:
+            run(args.greedy, stream=True)
+            return 0
+        base = run(True, stream=False)
+        ours = run(False, stream=True)
+        same = base.tokens == ours.tokens
+        verdict = f"identical to greedy: {'yes' if same else 'NO'}" if sampling.greedy else "sampled: tokens may differ"
+        print(f"{verdict}; speed-up {base.seconds / ours.seconds:.2f}x; "
+              f"compression {ours.tokens_per_step:.2f} tokens/step", file=sys.stderr)
+        return 0 if same or not sampling.greedy else 1
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
