@@ -169,9 +169,13 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim,
                                bias=args.attention_bias)
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # (B, n_kv_heads, cache_len, head_dim) each, see Transformer.setup_cache. Buffers, written
+        # in place by index (as gpt-fast does): a compiled step then updates them where they are
+        # (an index_copy_ into a view of one shared tensor made inductor copy the whole cache).
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x, cos, sin, slots, attn_mask, cache):
-        """cache: this layer's (2, B, n_kv_heads, cache_len, head_dim) part of Transformer.kv_cache."""
+    def forward(self, x, cos, sin, slots, attn_mask):
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, hd)
@@ -180,8 +184,8 @@ class Attention(nn.Module):
         k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, hd)
         v = qkv[:, :, H + Hkv:].transpose(1, 2)
         if slots is not None:  # write this call's K/V where the caller put them
-            cache[0].index_copy_(2, slots, k)
-            cache[1].index_copy_(2, slots, v)
+            self.k_cache[:, :, slots] = k
+            self.v_cache[:, :, slots] = v
         if attn_mask is None:
             # Causal among this call's own tokens and nothing else (a prefill): SDPA's causal
             # kernels never build a (T, T) mask, so memory stays linear in T.
@@ -189,7 +193,7 @@ class Attention(nn.Module):
             return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))
         # Attend over the first S slots of the cache (S = mask width): the rest is unused.
         S = attn_mask.shape[-1]
-        k, v = cache[0, :, :, :S], cache[1, :, :, :S]  # (B, Hkv, S, hd)
+        k, v = self.k_cache[:, :, :S], self.v_cache[:, :, :S]  # (B, Hkv, S, hd)
         # Grouped-query attention: K/V head j serves query heads j*group .. (j+1)*group - 1.
         # Folding those heads into one longer query, (B, Hkv, group*T, hd), lets any SDPA kernel
         # run GQA under a mask without copying K/V; the mask's rows are repeated per head to
@@ -220,8 +224,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, slots, attn_mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, attn_mask, cache)
+    def forward(self, x, cos, sin, slots, attn_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -239,9 +243,6 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # float32 even in a bf16 model: positions in the thousands need the precision.
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        # (n_layers, 2, B, n_kv_heads, cache_len, head_dim), see setup_cache. A buffer, so that a
-        # compiled step may write into it in place (CUDA graphs need its address fixed).
-        self.register_buffer("kv_cache", None, persistent=False)
         self.compiled_step = None  # see compile_steps
         self.compiled_sizes = ()
         self.cache_len = 0  # slots in the KV cache; 0 = none set up
@@ -256,18 +257,23 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def setup_cache(self, max_seq_len: int, batch: int = 1):
-        """Allocate the static KV cache once; every decode step writes into it in place.
-
-        One tensor holds every layer's K and V, (n_layers, 2, B, n_kv_heads, max_seq_len, head_dim),
-        so that `commit` moves the accepted tokens of all layers in one copy."""
+        """Allocate the static KV cache once, (B, n_kv_heads, max_seq_len, head_dim) for each
+        layer's K and V; every decode step writes into it in place."""
         if max_seq_len > self.args.max_seq_len:
             raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
-        a = self.args
         if self.compiled_step is not None:
             raise ValueError("a compiled model keeps the cache it was compiled with")
-        self.kv_cache = torch.zeros(a.n_layers, 2, batch, a.n_kv_heads, max_seq_len, a.head_dim,
-                                    dtype=self.dtype, device=self.device)
+        a = self.args
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.k_cache, attn.v_cache = (torch.zeros(batch, a.n_kv_heads, max_seq_len, a.head_dim,
+                                                      dtype=self.dtype, device=self.device) for _ in "kv")
         self.cache_len, self.committed = max_seq_len, 0
+
+    def kv(self) -> torch.Tensor:
+        """Every layer's K and V stacked, (n_layers, 2, B, n_kv_heads, cache_len, head_dim): a copy,
+        to inspect the cache."""
+        return torch.stack([torch.stack((l.self_attn.k_cache, l.self_attn.v_cache)) for l in self.layers])
 
     def commit(self, src_slots: list[int]):
         """Accept the tokens whose K/V sit at `src_slots`: they become the next committed tokens.
@@ -279,8 +285,10 @@ class Transformer(nn.Module):
         if src_slots != list(range(start, start + n)):
             src = torch.tensor(src_slots, device=self.device)
             dst = torch.arange(start, start + n, device=self.device)
-            # index_select gathers before index_copy_ writes, so overlapping src/dst are safe.
-            self.kv_cache.index_copy_(4, dst, self.kv_cache.index_select(4, src))
+            for layer in self.layers:
+                for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
+                    # index_select gathers before index_copy_ writes: overlapping src/dst are safe.
+                    cache.index_copy_(2, dst, cache.index_select(2, src))
         self.committed = start + n
 
     def rope(self, positions):
@@ -321,9 +329,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions)
         attn_mask = None if mask is None else self.attention_mask(mask)
         x = self.embed_tokens(tokens)  # (B, T, dim)
-        caches = self.kv_cache if self.kv_cache is not None else [None] * len(self.layers)
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, cos, sin, slots, attn_mask, cache)
+        for layer in self.layers:
+            x = layer(x, cos, sin, slots, attn_mask)
         if rows is not None:
             x = x[:, rows]
         return self.lm_head(self.norm(x))
@@ -352,7 +359,6 @@ class Transformer(nn.Module):
 
     def _compile_steps(self, sizes, cache_len, log):
         self.setup_cache(cache_len or self.args.max_seq_len)
-        torch._dynamo.mark_static_address(self.kv_cache)
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         self.compiled_step = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
         for T in sizes:

@@ -183,10 +183,10 @@ def test_rollback_leaves_the_cache_of_a_greedy_run():
     assert max(got.accepted) > 1  # the rollback kept candidate K/V, not only window-free steps
     committed = model.committed
     assert committed == len(prompt) + len(got.tokens) - 1
-    ours = model.kv_cache[..., :committed, :].clone()  # every layer's K and V
+    ours = model.kv()[..., :committed, :].clone()  # every layer's K and V
     assert greedy_decode(model, prompt, 40).tokens == got.tokens
     assert model.committed == committed
-    torch.testing.assert_close(ours, model.kv_cache[..., :committed, :], rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours, model.kv()[..., :committed, :], rtol=0, atol=1e-12)
 
 
 def test_stop_inside_an_accepted_ngram():

@@ -158,7 +158,7 @@ def test_commit_copies_slots_like_a_fresh_run():
     seq = torch.cat([prefix, tokens[:, keep]], dim=1)
     n = seq.shape[1]
     fresh(seq, torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
-    torch.testing.assert_close(model.kv_cache[..., :n, :], fresh.kv_cache[..., :n, :], rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.kv()[..., :n, :], fresh.kv()[..., :n, :], rtol=0, atol=1e-12)
 
 
 # --- bad checkpoints -------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def test_the_prefill_builds_no_mask_and_matches_masked_steps(monkeypatch):
     model.setup_cache(64)
     idx = torch.arange(40)
     want = model(torch.tensor([prompt]), idx, idx, torch.ones(40, 40, dtype=torch.bool).tril())[:, -1:]
-    want_cache = model.kv_cache[..., :40, :].clone()
+    want_cache = model.kv()[..., :40, :].clone()
     model.setup_cache(64)
 
     def no_mask(*args):
@@ -196,7 +196,7 @@ def test_the_prefill_builds_no_mask_and_matches_masked_steps(monkeypatch):
     monkeypatch.setattr(model, "attention_mask", no_mask)
     got = prefill(model, prompt)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    torch.testing.assert_close(model.kv_cache[..., :40, :], want_cache, rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.kv()[..., :40, :], want_cache, rtol=0, atol=1e-12)
     assert model.committed == 40
 
 
@@ -311,7 +311,7 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
             # Padding and the whole-cache attention leave the committed cache as eager's.
             C = compiled.committed
             assert C == eager.committed
-            torch.testing.assert_close(compiled.kv_cache[..., :C, :], eager.kv_cache[..., :C, :], rtol=0, atol=1e-10)
+            torch.testing.assert_close(compiled.kv()[..., :C, :], eager.kv()[..., :C, :], rtol=0, atol=1e-10)
     assert counters["stats"]["unique_graphs"] == graphs  # new prompt lengths and lengths: no new graph
     assert any(s.size > 1 + s.guesses + s.window * s.levels
                for s in lookahead_decode(compiled, [1, 2, 3, 1, 2, 3], 30, 2, 3, 1).shapes)  # padding ran
@@ -319,7 +319,8 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
 
 def test_a_compiled_model_keeps_its_cache(compiled_pair):
     _, compiled = compiled_pair
-    assert compiled.cache_len == 96 and isinstance(compiled.kv_cache, torch.Tensor)
-    assert "kv_cache" in dict(compiled.named_buffers())  # a buffer: its address is fixed for CUDA graphs
+    assert compiled.cache_len == 96
+    buffers = dict(compiled.named_buffers())  # buffers: their addresses stay fixed for CUDA graphs
+    assert all(f"layers.{i}.self_attn.{kv}_cache" in buffers for i in range(2) for kv in "kv")
     with pytest.raises(ValueError, match="compiled"):
         compiled.setup_cache(48)
