@@ -1,10 +1,11 @@
 """Benchmark: greedy vs lookahead decoding, measured side by side, on the same model and prompts.
 
-    python bench.py                                  # the real SmolLM2 checkpoint, device defaults
-    python bench.py --configs 7,5,7 15,5,15 --device cuda --dtype bfloat16
+    python bench.py                                  # SmolLM2-135M-Instruct, the dynamic shape
+    python bench.py --configs dynamic 0,4,1 --readme # the README's CPU table
+    python bench.py --device cuda --compile --configs dynamic 15,5,15 7,5,7
     python bench.py --sweep --json results.json      # a grid of W,N,G
 
-For every configuration: tokens/s, steps, tokens per step, the cost of a step against a greedy
+For every configuration (`dynamic`, or W,N,G): tokens/s, steps, tokens per step, the cost of a step against a greedy
 step, the speed-up over greedy (runs alternate greedy / lookahead per prompt, after a warm-up,
 median over --repeats), and whether the tokens equal greedy's (they must: "yes"). Prints a
 table and the machine it ran on.
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cli import DTYPES
+from cli import DEFAULT_MODEL, DTYPES, resolve_model
 from lookahead import StepCosts, greedy_decode, lookahead_decode
 from model import STEP_SIZES, Transformer
 from tokenizer import Tokenizer
@@ -119,7 +120,7 @@ def timed(fn, device):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: ../shared/models/smollm2.py's)")
+    ap.add_argument("--model", default=None, help=f"checkpoint folder or Hub id (default {DEFAULT_MODEL})")
     ap.add_argument("--configs", nargs="+", type=parse_config, default=None,
                     help="W,N,G configurations or `dynamic` (default: dynamic)")
     ap.add_argument("--flat-cost", action="store_true",
@@ -136,12 +137,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     path = args.model
-    if path is None:
-        script = Path(__file__).resolve().parent.parent / "shared" / "models" / "smollm2.py"
-        path = subprocess.run([sys.executable, str(script)], check=True, capture_output=True,
+    builder = Path(__file__).resolve().parent.parent / "shared" / "models" / "smollm2.py"
+    if path is None and builder.is_file():  # this project's machines build SmolLM2 there
+        path = subprocess.run([sys.executable, str(builder)], check=True, capture_output=True,
                               text=True).stdout.strip().splitlines()[-1]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = Transformer.from_pretrained(path, device, DTYPES[args.dtype])
+    try:
+        path = resolve_model(path or DEFAULT_MODEL)
+        model = Transformer.from_pretrained(path, device, DTYPES[args.dtype])
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     compile_seconds = 0.0
     if args.compile:
         start = time.perf_counter()

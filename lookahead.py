@@ -164,7 +164,7 @@ def one_by_one(model, prompt_ids, max_new_tokens, stop_ids, on_tokens, pick) -> 
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         C = model.committed  # the last token sits at position and slot C
         mask[:, C] = True
-        logits = model.step(next_token, slots[C:C + 1], slots[C:C + 1], mask[:, :mask_width(model, C + 1)], [0])
+        logits = model.step(next_token, slots[C:C + 1], slots[C:C + 1], mask[:, :mask_width(model, C + 1)])
         next_token = pick(logits[:, -1])
         model.committed = C + 1
         tokens.append(next_token.item())  # the one host sync per step
@@ -354,23 +354,26 @@ def window_layout(W: int, L: int):
 
 
 def step_inputs(tree: Tree, window, w: int, size: int, C: int, dev):
-    """Tokens, positions and the (size, size) in-step mask of one step laid out as
+    """Tokens (1, size), positions (size,), the (size, size) in-step mask and the logits rows to
+    read, of one step laid out as
 
         [ tree: last, guesses | window: w columns x L levels | padding ]
 
-    Padding tokens attend only to themselves and their rows are never read."""
+    Rows read: every tree node (row i predicts the token after node i), then the newest window
+    level (its predictions become the next level). Padding tokens attend only to themselves and
+    their rows are never read. Built on the host and copied to the device in one transfer."""
     n, L = len(tree), len(window) if w else 0
     T = n + w * L
-    block = torch.zeros(size, size, dtype=torch.bool)
+    block = torch.zeros(size, size, dtype=torch.long)
     rows, cols = [], []
     ancestors = [[0]]
     for i in range(1, n):  # a guess sees its ancestors and itself
         ancestors.append(ancestors[tree.parent[i]] + [i])
         rows += [i] * len(ancestors[i])
         cols += ancestors[i]
-    block[0, 0] = True
+    block[0, 0] = 1
     if rows:
-        block[rows, cols] = True
+        block[rows, cols] = 1
     offsets = torch.zeros(size, dtype=torch.long)
     offsets[:n] = torch.tensor(tree.depth)
     seq = tree.tokens + [t for level in window[:L] for t in level[:w]] + [0] * (size - T)
@@ -380,8 +383,11 @@ def step_inputs(tree: Tree, window, w: int, size: int, C: int, dev):
         block[n:T, n:T] = wmask[:, 1:]
         offsets[n:T] = woffsets
     pad = torch.arange(T, size)
-    block[pad, pad] = True
-    return torch.tensor([seq], device=dev), (C + offsets).to(dev), block.to(dev)
+    block[pad, pad] = 1
+    read = list(range(n)) + list(range(n + (L - 1) * w, n + L * w))
+    packed = torch.cat((torch.tensor(seq), C + offsets, block.flatten(), torch.tensor(read))).to(dev)
+    seq, positions, block, read = packed.split((size, size, size * size, len(read)))
+    return seq[None], positions, block.view(size, size).bool(), read
 
 
 def verify_greedy(tree: Tree, pred) -> tuple[list[int], int]:
@@ -612,7 +618,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
     prompt_ngrams / output_ngrams: also pool the n-grams of the prompt / of the text committed
     so far (text that repeats itself or copies the prompt is then accepted whole).
     jacobi_guess: also verify the model's own predictions left over from the step before
-    (step 4 below); with a fixed shape only when the pool offers fewer than G candidates.
+    (step 5 below); with a fixed shape only when the pool offers fewer than G candidates.
     on_tokens(new ids) is called as tokens are committed; on_step(dict) after each step with
     what it did (shape, window, candidates, whether the last one is the Jacobi guess, winner,
     guesses accepted, tokens committed), for tracing.
@@ -642,7 +648,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
     window_rng, rng = random.Random(seed), random.Random(seed + 1)
     window = [[window_rng.choice(prompt_ids) for _ in range(W)]] if W and not dynamic else []
     # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies
-    # (step 6 below adds the n-grams of the committed text as it grows).
+    # (step 7 below adds the n-grams of the committed text as it grows).
     pool = NGramPool(max(G, POOL_MIN_PER_KEY) if G else 0)
     if prompt_ngrams:
         for i in range(len(prompt_ids) - N + 1):
@@ -665,14 +671,14 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
     if output_ngrams:
         pool_output(tokens)
     steps, accepted_lengths, shapes = 0, [], []
-    jacobi = []  # the model's predictions left over from the last step (step 4)
+    jacobi = []  # the model's predictions left over from the last step (step 5)
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         step_start = time.perf_counter()
         C, last = model.committed, tokens[-1]  # `last` sits at position and slot C
         budget = model.cache_len - C
 
         # 1. Propose: a trie of candidate continuations of `last`. Pooled n-grams that start with
-        #    `last`, those seen after the same token as now first, then the Jacobi guess (step 4).
+        #    `last`, those seen after the same token as now first, then the Jacobi guess (step 5).
         #    They need not guess past max_new_tokens.
         K = min(levels, max_new_tokens - len(tokens) - 1)
         before = tokens[-2] if len(tokens) > 1 else prompt_ids[-1]  # the token before `last`
@@ -682,8 +688,9 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
             for rest, in_context, from_window in pooled:
                 tree.add(rest[:K], "context" if in_context else "pool", from_window)
             if jacobi and (dynamic or len(pooled) < G):
-                # Fixed shapes pad it to K guesses with its last token (a guess only costs a slot).
-                tree.add((jacobi + jacobi[-1:] * (K - len(jacobi)))[:K], "jacobi")
+                # A fixed shape pads it to K guesses with its last token (a guess costs a slot,
+                # never exactness); the dynamic one leaves that to the chances of real guesses.
+                tree.add((jacobi if dynamic else jacobi + jacobi[-1:] * (K - len(jacobi)))[:K], "jacobi")
 
         # 2. Shape the step: which guesses and how many window columns, padded to a size of the
         #    menu. Dynamic: the best expected tokens per second. Fixed: all of them; near the
@@ -706,9 +713,8 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
         # 3. One forward over [tree | window | padding] under the combined mask. Logits rows
         #    read: every tree node (row i predicts the token after node i), then the newest
         #    window level (its predictions become the next level).
-        seq, positions, block = step_inputs(tree, window, w, size, C, dev)
+        seq, positions, block, rows = step_inputs(tree, window, w, size, C, dev)
         mask_buf[:size, C:C + size] = block
-        rows = list(range(n)) + list(range(n + (L - 1) * w, n + L * w))
         logits = model.step(seq, positions, slots[C:C + size], mask_buf[:size, :mask_width(model, C + size)], rows)
         mask_buf[:size, C:C + size] = False
         pred = logits[0].argmax(-1).tolist()  # the one host sync per greedy step
@@ -728,7 +734,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
         #    they are what a sequential run would have written. Nothing else survives: the rest
         #    of this step's slots lie past the committed length and are overwritten next step.
         model.commit([C] + [C + v for v in path])
-        mask_buf[:, C:model.committed] = True
+        mask_buf[:, C:model.committed] = True  # the committed slots: context for every row from now on
         # The first rejected guess's rows predicted the tokens that follow what is committed
         # now, from a context that is wrong in one token; as in Jacobi decoding, they are a
         # guess for the next step, and often right (the pool is often empty for `last`).
@@ -739,13 +745,13 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
         jacobi = [pred[v] for v in tree.first_chain(rejected)] if rejected and jacobi_guess else []
         acceptance.record(tree, path, w)
 
-        if on_step:
-            accepted = new_tokens[:-1]
+        if on_step:  # before the window moves on; `committed` is trimmed at a stop id (step 7)
+            accepted = [tree.tokens[v] for v in path]
             winner = next((g for g, (c, _) in enumerate(tree.chains) if list(c[:len(accepted)]) == accepted), 0)
-            on_step(dict(step=steps, shape=shape, last=last, window=[level[:w] for level in window[:L]],
-                         candidates=[list(c) for c, _ in tree.chains], sources=[k for _, k in tree.chains],
-                         jacobi=bool(tree.chains) and tree.chains[-1][1] == "jacobi",
-                         winner=winner, accepted=len(path), committed=new_tokens))
+            step = dict(step=steps, shape=shape, last=last, window=[level[:w] for level in window[:L]],
+                        candidates=[list(c) for c, _ in tree.chains], sources=[k for _, k in tree.chains],
+                        jacobi=bool(tree.chains) and tree.chains[-1][1] == "jacobi", winner=winner,
+                        accepted=len(path))
 
         # 6. Jacobi update: the newest level's predictions become a new level; once the window
         #    is full, each column plus its prediction is an N-gram for the pool, and the
@@ -766,6 +772,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
                 new_tokens = new_tokens[:i + 1]
                 break
         tokens += new_tokens
+        on_step and on_step({**step, "committed": new_tokens})
         if output_ngrams:
             pool_output(new_tokens)
         steps += 1

@@ -112,12 +112,14 @@ def test_step_mask_is_the_trajectory_tree(W, L, chains):
     window = [[10 + level * W + j for j in range(W)] for level in range(L)]
     T = len(tree) + W * L
     size = step_size(T) * 2  # padded further than needed: the padding must stay out of every real row
-    seq, positions, block = step_inputs(tree, window, W, size, C=100, dev="cpu")
+    seq, positions, block, rows = step_inputs(tree, window, W, size, C=100, dev="cpu")
     want_mask, want_depth = trajectory_mask(tree, W, L)
     assert torch.equal(block[:T, :T], want_mask)
     assert not block[:T, T:].any() and torch.equal(block[T:, T:], torch.eye(size - T, dtype=torch.bool))
     assert torch.equal(positions[:T], 100 + want_depth)
     assert seq[0, :T].tolist() == tree.tokens + [t for level in window for t in level]
+    newest = list(range(len(tree) + (L - 1) * W, T)) if L else []
+    assert rows.tolist() == list(range(len(tree))) + newest  # every tree node, then the newest level
 
 
 def test_pool_cap_lru_and_refresh():
@@ -201,8 +203,11 @@ def test_stop_inside_an_accepted_ngram():
             inside = [i for i in range(end, end + n - 1) if free.tokens[i] not in free.tokens[:i]]
             if n >= 3 and inside:
                 stop = free.tokens[inside[0]]
-                got = lookahead_decode(model, prompt, 30, window=3, ngram=5, guesses=3, stop_ids=(stop,))
+                steps = []
+                got = lookahead_decode(model, prompt, 30, window=3, ngram=5, guesses=3, stop_ids=(stop,),
+                                       on_step=steps.append)
                 assert got.tokens == greedy_decode(model, prompt, 30, stop_ids=(stop,)).tokens
+                assert [t for s in steps for t in s["committed"]] == got.tokens[1:]  # --trace shows no more
                 assert got.tokens == free.tokens[:inside[0] + 1]
                 assert got.accepted[-1] < n  # the accepted n-gram was cut at the stop
                 return
