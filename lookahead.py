@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from model import Transformer, step_size
+from model import STEP_SIZES, Transformer, step_size
 
 
 @dataclass
@@ -458,7 +458,7 @@ class StepCosts:
         self.samples: dict[int, deque] = {}
 
     @classmethod
-    def flat(cls, largest: int = 128) -> "StepCosts":
+    def flat(cls, largest: int = STEP_SIZES[-1]) -> "StepCosts":
         """Every size up to `largest` costs the same: what the policy does where steps are free."""
         return cls({1 << i: 1.0 for i in range(largest.bit_length())})
 
@@ -584,7 +584,7 @@ def choose_shape(tree: Tree, acceptance: Acceptance, costs: StepCosts, levels: i
                 n = min(len(order), size - 1 - w * levels)
                 if n + w * levels + 1 > size // 2 or size == 1:  # a smaller size holds it otherwise
                     expected = 1 + prefix[n] + w * col_value
-                    if best is None or expected / cost > best[0]:
+                    if expected / cost > best[0]:
                         best = (expected / cost, n, w, Shape(w, levels if w else 0, n, size, expected,
                                                              cost / cheapest))
                 w = 2 * w if w else 1
@@ -594,7 +594,7 @@ def choose_shape(tree: Tree, acceptance: Acceptance, costs: StepCosts, levels: i
 
 
 # The dynamic shape's limits: window columns, pooled n-grams per key, tokens per step.
-MAX_WINDOW, MAX_CANDIDATES, MAX_STEP = 16, 16, 128
+MAX_WINDOW, MAX_CANDIDATES, MAX_STEP = 16, 16, STEP_SIZES[-1]
 
 
 @torch.inference_mode()

@@ -1,6 +1,7 @@
 """model.py and tokenizer.py: loading, the positions/slots/mask forward, the cache, and the
 real SmolLM2 checkpoint against Hugging Face transformers' greedy output."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -282,6 +283,10 @@ def test_text_stream_keeps_spaces_and_whole_characters(smollm2_path):
 
 # --- the compiled step ------------------------------------------------------------------------
 
+needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                                    reason="torch.compile on the CPU needs a C++ compiler")
+
+
 @pytest.fixture(scope="module")
 def compiled_pair():
     """The same tiny float64 model twice: eager, and with every step size up to 8 compiled."""
@@ -291,6 +296,7 @@ def compiled_pair():
     return eager, compiled
 
 
+@needs_compiler
 def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(compiled_pair):
     from torch._dynamo.utils import counters
     from lookahead import StepCosts, greedy_decode, lookahead_decode, sample_decode
@@ -317,6 +323,7 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
                for s in lookahead_decode(compiled, [1, 2, 3, 1, 2, 3], 30, 2, 3, 1).shapes)  # padding ran
 
 
+@needs_compiler
 def test_a_compiled_model_keeps_its_cache(compiled_pair):
     _, compiled = compiled_pair
     assert compiled.cache_len == 96
