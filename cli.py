@@ -128,7 +128,7 @@ def main(argv=None):
                 return
             s = step["shape"]
             out = [f"\n-- step {step['step'] + 1}: last token {piece(step['last'])}; {s.size} tokens: "
-                   f"{s.guesses} guesses, window {s.window}x{s.levels}"
+                   f"{s.guesses} guess{'' if s.guesses == 1 else 'es'}, window {s.window}x{s.levels}"
                    + (f", expected to commit {s.expected:.2f} at {s.cost:.2f}x the cheapest step" if s.expected else "")]
             for i, level in enumerate(step["window"]):
                 out.append(f"   window level {i}: " + " ".join(piece(t) for t in level))
