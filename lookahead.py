@@ -256,7 +256,7 @@ class Tree:
         self.children: list[dict] = [{}]  # node -> {token: child node}
         self.kind = [None]  # "context", "pool" or "jacobi": the source of the first candidate through it
         self.from_window = [False]
-        self.chains: list[tuple] = []  # the candidates as given, for tracing
+        self.chains: list[tuple] = []  # the candidates as given: (tokens, kind, from_window)
 
     def add(self, chain, kind="pool", from_window=False):
         v = 0
@@ -273,7 +273,7 @@ class Tree:
                 self.from_window.append(from_window)
             v = child
         if chain:
-            self.chains.append((tuple(chain), kind))
+            self.chains.append((tuple(chain), kind, from_window))
 
     def __len__(self):
         return len(self.tokens)
@@ -283,20 +283,18 @@ class Tree:
         return list(self.children[self.parent[node]].values()).index(node)
 
     def keep(self, nodes) -> "Tree":
-        """The sub-trie of these nodes (closed under parents), rebuilt in candidate order."""
+        """The sub-trie of these nodes (closed under parents), rebuilt from the candidates in
+        their order, so each node keeps the source of the first candidate through it."""
         keep = set(nodes) | {0}
         out = Tree(self.tokens[0])
-        for chain, kind in self.chains:
+        for chain, kind, from_window in self.chains:
             v, kept = 0, []
             for tok in chain:
                 v = self.children[v][tok]
                 if v not in keep:
                     break
                 kept.append(tok)
-            out.add(kept, kind)
-        for i in range(1, len(out)):  # a node keeps the source it had in the full trie
-            src = self.node(out.path(i))
-            out.kind[i], out.from_window[i] = self.kind[src], self.from_window[src]
+            out.add(kept, kind, from_window)
         return out
 
     def path(self, node) -> list[int]:
@@ -747,9 +745,9 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
 
         if on_step:  # before the window moves on; `committed` is trimmed at a stop id (step 7)
             accepted = [tree.tokens[v] for v in path]
-            winner = next((g for g, (c, _) in enumerate(tree.chains) if list(c[:len(accepted)]) == accepted), 0)
+            winner = next((g for g, (c, *_) in enumerate(tree.chains) if list(c[:len(accepted)]) == accepted), 0)
             step = dict(step=steps, shape=shape, last=last, window=[level[:w] for level in window[:L]],
-                        candidates=[list(c) for c, _ in tree.chains], sources=[k for _, k in tree.chains],
+                        candidates=[list(c) for c, *_ in tree.chains], sources=[k for _, k, _ in tree.chains],
                         jacobi=bool(tree.chains) and tree.chains[-1][1] == "jacobi", winner=winner,
                         accepted=len(path))
 

@@ -348,6 +348,7 @@ class Transformer(nn.Module):
             return logits if rows is None else logits[:, rows]
         return self(tokens, positions, slots, mask, rows=rows)
 
+    @torch.inference_mode()
     def compile_steps(self, sizes, cache_len=None, log=None):
         """Compile the step forward with torch.compile once per step size, now, so that no
         request compiles later: on CUDA as CUDA graphs ("reduce-overhead": one replay instead of
@@ -355,11 +356,8 @@ class Transformer(nn.Module):
 
         Every compiled step has a fixed shape: T tokens, attention over the whole cache under
         the mask (no slicing by the committed length), all T rows of logits. So the cache is
-        allocated once, here, with cache_len slots (default: the model's context), and kept."""
-        with torch.inference_mode():  # as the decoders run (a graph is specialised on it)
-            self._compile_steps(sizes, cache_len, log)
-
-    def _compile_steps(self, sizes, cache_len, log):
+        allocated once, here, with cache_len slots (default: the model's context), and kept.
+        Warmed up under inference_mode, as the decoders run: a graph is specialised on it."""
         self.setup_cache(cache_len or self.args.max_seq_len)
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         self.compiled_step = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
@@ -368,6 +366,8 @@ class Transformer(nn.Module):
             idx = torch.arange(T, device=self.device)
             mask = torch.zeros(T, self.cache_len, dtype=torch.bool, device=self.device)
             mask[idx, idx] = True
+            # Positions and slots as distinct tensors, as the decoders pass them: a graph guarded
+            # on the two being one tensor would be compiled again at the first request.
             for _ in range(3 if mode else 1):  # CUDA graphs record on the second or third call
                 self.compiled_step(torch.zeros(1, T, dtype=torch.long, device=self.device), idx, idx.clone(), mask)
             log and log(f"compiled the {T}-token step in {time.perf_counter() - start:.1f} s")
