@@ -4,11 +4,13 @@
     python bench.py --configs dynamic 0,4,1 --readme # the README's CPU table
     python bench.py --device cuda --compile --configs dynamic 15,5,15 7,5,7
     python bench.py --sweep --json results.json      # a grid of W,N,G
+    python bench.py --batch 8 --max-new-tokens 64    # the prompts one by one vs in batches of 8
 
 For every configuration (`dynamic`, or W,N,G): tokens/s, steps, tokens per step, the cost of a step against a greedy
 step, the speed-up over greedy (runs alternate greedy / lookahead per prompt, after a warm-up,
 median over --repeats), and whether the tokens equal greedy's (they must: "yes"). Prints a
-table and the machine it ran on.
+table and the machine it ran on. With --batch B: each decoder one prompt at a time vs B prompts
+per batch (tokens/s over all prompts, and whether every row equals its one-by-one output).
 """
 import argparse
 import json
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from cli import DEFAULT_MODEL, DTYPES, resolve_model
-from lookahead import StepCosts, greedy_decode, lookahead_decode
+from lookahead import StepCosts, greedy_decode, greedy_decode_batch, lookahead_decode, lookahead_decode_batch
 from model import STEP_SIZES, Transformer
 from tokenizer import Tokenizer
 
@@ -109,6 +111,59 @@ def print_tables(rows, results, labels, markdown):
             print()
 
 
+def names_of(configs):
+    return ["greedy"] + ["dynamic" if c is None else ",".join(map(str, c)) for c in configs]
+
+
+def bench_batch(model, prompts, B, configs, names, greedy, lookahead, n_new, stop, costs, repeats, markdown):
+    """Every decoder over all prompts, one at a time and in batches of B (alternating, median
+    of `repeats` runs); each batched row must equal its one-by-one output."""
+    def batched(cfg):
+        out = []
+        for i in range(0, len(prompts), B):
+            chunk = list(prompts[i:i + B])
+            if cfg == "greedy":
+                out += greedy_decode_batch(model, chunk, n_new, stop)
+            elif cfg is None:
+                out += lookahead_decode_batch(model, chunk, n_new, stop_ids=stop, costs=costs)
+            else:
+                out += lookahead_decode_batch(model, chunk, n_new, *cfg, stop_ids=stop)
+        return out
+
+    def one_by_one(cfg):
+        return [greedy(ids) if cfg == "greedy" else lookahead(ids, cfg) for ids in prompts]
+
+    batched(configs[0])  # warm-up at this batch size
+    rows = []
+    for name, cfg in zip(names, ["greedy"] + configs):
+        seconds = {"one": [], "batch": []}
+        for _ in range(repeats):
+            for kind, run in (("one", one_by_one), ("batch", batched)):
+                start = time.perf_counter()
+                gens = run(cfg)
+                seconds[kind].append(time.perf_counter() - start)
+                if kind == "one":
+                    want = [g.tokens for g in gens]
+                else:
+                    same = [g.tokens for g in gens] == want
+        tokens = sum(len(t) for t in want)
+        one, batch = (tokens / statistics.median(seconds[k]) for k in ("one", "batch"))
+        rows.append([name, f"{one:.1f}", f"{batch:.1f}", f"{batch / one:.2f}x", "yes" if same else "NO"])
+    base = float(rows[0][1])
+    for row in rows:
+        row.insert(3, f"{float(row[2]) / base:.2f}x")
+    head = ["decoder", "one by one: tokens/s", f"batches of {B}: tokens/s", "batched vs greedy one by one",
+            "batched vs one by one", "rows same as one by one"]
+    if markdown:
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        print("\n".join("| " + " | ".join(r) + " |" for r in rows))
+    else:
+        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+        for r in [head] + rows:
+            print("  ".join(x.rjust(w) for x, w in zip(r, widths)))
+    return 0 if all(r[-1] == "yes" for r in rows) else 1
+
+
 def timed(fn, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -134,7 +189,10 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--readme", action="store_true", help="print the tables in the README's Markdown format")
     ap.add_argument("--compile", action="store_true", help="compile the step sizes first (Transformer.compile_steps)")
+    ap.add_argument("--batch", type=int, default=0, metavar="B", help="compare one by one with batches of B prompts")
     args = ap.parse_args(argv)
+    if args.batch < 0 or args.batch == 1 or (args.batch and args.compile):
+        ap.error("--batch takes B >= 2, and runs uncompiled (a compiled model decodes one sequence at a time)")
 
     path = args.model
     builder = Path(__file__).resolve().parent.parent / "shared" / "models" / "smollm2.py"
@@ -175,10 +233,13 @@ def main(argv=None):
           + (f", compiled in {compile_seconds:.0f} s" if args.compile else "") + (":\n" if args.readme else ""), flush=True)
     for ids in prompts[:2]:  # warm-up: allocator, caches, kernels
         greedy(ids), lookahead(ids, configs[0])
+    if args.batch:
+        return bench_batch(model, prompts, args.batch, configs, names_of(configs), greedy, lookahead, n_new, stop,
+                           costs, args.repeats, args.readme)
 
     # seconds[name][repeat] summed over prompts; greedy and each config alternate per prompt so
     # that drifts in machine speed hit all of them alike.
-    names = ["greedy"] + ["dynamic" if c is None else ",".join(map(str, c)) for c in configs]
+    names = names_of(configs)
     seconds = {name: [0.0] * args.repeats for name in names}
     per_prompt = {name: [[] for _ in prompts] for name in names}  # [prompt][repeat] seconds
     results = {name: [] for name in names}

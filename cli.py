@@ -3,15 +3,19 @@
 Loads a checkpoint (a folder or a Hugging Face Hub id, through the local cache), encodes the
 prompt (optionally through the chat template), and streams lookahead's output, with --compare
 (greedy beside it), --show (colours by tokens per step) and --trace (what each step did).
+--batch FILE decodes many prompts in one batch instead, and prints them in order.
 """
 import argparse
+import json
 import os
 import sys
+import time
 from collections import Counter
 
 import torch
 
-from lookahead import Generation, Sampling, greedy_decode, lookahead_decode, sample_decode
+from lookahead import (Generation, Sampling, greedy_decode, greedy_decode_batch, lookahead_decode,
+                       lookahead_decode_batch, sample_decode)
 from model import Transformer
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -50,6 +54,8 @@ def parse_args(argv):
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or Hub repo id (default {DEFAULT_MODEL})")
     ap.add_argument("--prompt", help="the prompt text")
     ap.add_argument("--prompt-file", help="read the prompt from this file")
+    ap.add_argument("--batch", metavar="FILE",
+                    help='decode many prompts in one batch: one per line, or JSON lines with a "prompt" field')
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--window", type=int, default=None,
@@ -74,8 +80,12 @@ def parse_args(argv):
                          "but its rounding can flip near-ties)")
     args = ap.parse_args(argv)
 
-    if (args.prompt is None) == (args.prompt_file is None):
-        ap.error("give one of --prompt or --prompt-file")
+    if (args.prompt is not None) + (args.prompt_file is not None) + (args.batch is not None) != 1:
+        ap.error("give one of --prompt, --prompt-file or --batch")
+    if args.batch is not None and (args.trace or args.show):
+        ap.error("--trace and --show follow one prompt; not with --batch")
+    if args.batch is not None and args.greedy and not (args.temperature == 0 or args.top_k == 1):
+        ap.error("--batch samples with lookahead only; drop --greedy or the sampling options")
     if args.device not in (None, "cpu", "cuda") and not args.device.startswith("cuda:"):
         ap.error(f"unknown device {args.device!r} (cpu or cuda)")
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -101,10 +111,34 @@ def parse_args(argv):
                 args.prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             ap.error(f"cannot read the prompt file {args.prompt_file}: {getattr(e, 'strerror', None) or e}")
-    if not args.prompt.strip():
+    if args.batch is not None:
+        args.prompts = read_batch(ap, args.batch)
+    elif not args.prompt.strip():
         ap.error("the prompt is empty")
     args.device = device
     return args
+
+
+def read_batch(ap, path) -> list[str]:
+    """--batch FILE: a prompt per line; a line that starts with '{' is JSON with a "prompt"."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(n, line.strip()) for n, line in enumerate(f, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        ap.error(f"cannot read the batch file {path}: {getattr(e, 'strerror', None) or e}")
+    prompts = []
+    for n, line in lines:
+        if line.startswith("{"):
+            try:
+                line = json.loads(line)["prompt"]
+            except (ValueError, KeyError, TypeError):
+                ap.error(f"{path}, line {n}: a JSON line needs a \"prompt\" string")
+            if not isinstance(line, str) or not line.strip():
+                ap.error(f"{path}, line {n}: the prompt is empty")
+        prompts.append(line)
+    if not prompts:
+        ap.error(f"{path} holds no prompts")
+    return prompts
 
 
 def main(argv=None):
@@ -115,10 +149,16 @@ def main(argv=None):
         path = resolve_model(args.model)
         model = Transformer.from_pretrained(path, args.device, DTYPES[args.dtype], compile=args.compile)
         tokenizer = Tokenizer.from_pretrained(path)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-        prompt_ids = tokenizer.encode(text)
         stop_ids = tokenizer.stop_ids or model.args.eos_ids
         sampling = args.sampling
+
+        def encode(prompt):
+            return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                                    if args.chat else prompt)
+
+        if args.batch is not None:
+            return run_batch(args, model, tokenizer, [encode(p) for p in args.prompts], stop_ids)
+        prompt_ids = encode(args.prompt)
 
         def piece(ids):  # a token as the trace shows it
             return repr(tokenizer.decode(list(ids) if isinstance(ids, (list, tuple)) else [ids]))
@@ -169,13 +209,7 @@ def main(argv=None):
             finally:
                 if stream:
                     print(out.flush(), flush=True)
-            hist = " ".join(f"{n}:{c}" for n, c in gen.histogram.items())
-            sizes = " ".join(f"{n}:{c}" for n, c in sorted(Counter(s.size for s in gen.shapes).items()))
-            print(f"[{name}] {len(gen.tokens)} tokens, {gen.steps} steps, {gen.tokens_per_step:.2f} tokens/step "
-                  f"(steps by tokens committed {hist or '-'}" + (f"; by size {sizes}" if sizes else "")
-                  + f"), prefill {len(prompt_ids)} tokens in {gen.prefill_seconds:.2f} s, "
-                  f"decode {gen.decode_tokens_per_second:.1f} tokens/s, {gen.tokens_per_second:.1f} tokens/s in all",
-                  file=sys.stderr)
+            print(f"[{name}] {stats(gen, len(prompt_ids))}", file=sys.stderr)
             return gen
 
         if colour and not args.greedy:
@@ -197,6 +231,44 @@ def main(argv=None):
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def stats(gen: Generation, prompt_tokens: int) -> str:
+    hist = " ".join(f"{n}:{c}" for n, c in gen.histogram.items())
+    sizes = " ".join(f"{n}:{c}" for n, c in sorted(Counter(s.size for s in gen.shapes).items()))
+    return (f"{len(gen.tokens)} tokens, {gen.steps} steps, {gen.tokens_per_step:.2f} tokens/step "
+            f"(steps by tokens committed {hist or '-'}" + (f"; by size {sizes}" if sizes else "")
+            + f"), prefill {prompt_tokens} tokens in {gen.prefill_seconds:.2f} s, "
+            f"decode {gen.decode_tokens_per_second:.1f} tokens/s, {gen.tokens_per_second:.1f} tokens/s in all")
+
+
+def run_batch(args, model, tokenizer, prompts, stop_ids) -> int:
+    """--batch: decode every prompt in one batch, then print each output in input order with
+    its stats; --compare runs greedy in a batch too and checks every row."""
+    sampling = args.sampling
+    runs = []
+    for greedy in ([True, False] if args.compare else [args.greedy]):
+        start = time.perf_counter()
+        if greedy:
+            gens = greedy_decode_batch(model, prompts, args.max_new_tokens, stop_ids)
+        else:
+            gens = lookahead_decode_batch(model, prompts, args.max_new_tokens, args.window, args.ngram, args.guesses,
+                                          stop_ids, args.seed, sampling.temperature, sampling.top_k, sampling.top_p)
+        runs.append((greedy, gens, time.perf_counter() - start))
+    stop = set(stop_ids)
+    for i, (ids, gen) in enumerate(zip(prompts, runs[-1][1])):
+        print(f"=== {i + 1}/{len(prompts)}: {args.prompts[i][:60]!r}", flush=True)
+        print(tokenizer.decode([t for t in gen.tokens if t not in stop]), flush=True)
+        print(f"[{i + 1}] {stats(gen, len(ids))}\n", flush=True)
+    for greedy, gens, seconds in runs:
+        tokens = sum(len(g.tokens) for g in gens)
+        print(f"[{'greedy' if greedy else 'lookahead'}, batch of {len(prompts)}] {tokens} tokens in {seconds:.2f} s: "
+              f"{tokens / seconds:.1f} tokens/s", file=sys.stderr)
+    if not args.compare:
+        return 0
+    same = sum(a.tokens == b.tokens for a, b in zip(runs[0][1], runs[1][1]))
+    print(f"identical to greedy: {same} of {len(prompts)} rows; speed-up {runs[0][2] / runs[1][2]:.2f}x", file=sys.stderr)
+    return 0 if same == len(prompts) or not sampling.greedy else 1
 
 
 if __name__ == "__main__":

@@ -58,50 +58,48 @@ class Generation:
         return dict(sorted(Counter(self.accepted).items()))
 
 
-def check_request(model: Transformer, prompt_ids, max_new_tokens: int) -> int:
-    """Validate a request; return how many tokens may be generated (the context bounds it)."""
+def check_requests(model: Transformer, prompts, max_new_tokens: int) -> list[int]:
+    """Validate a batch of requests before any work; return how many tokens each may generate
+    (the context bounds it)."""
     context = model.args.max_seq_len
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    if min(prompt_ids) < 0 or max(prompt_ids) >= model.args.vocab_size:
-        raise ValueError(f"prompt ids must lie in [0, {model.args.vocab_size})")
+    if not prompts:
+        raise ValueError("no prompts given")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if len(prompt_ids) >= context:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
+    for i, prompt_ids in enumerate(prompts):
+        which = f" (prompt {i + 1} of {len(prompts)})" if len(prompts) > 1 else ""
+        if not prompt_ids:
+            raise ValueError(f"the prompt is empty{which}")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= model.args.vocab_size:
+            raise ValueError(f"prompt ids must lie in [0, {model.args.vocab_size}){which}")
+        if len(prompt_ids) >= context:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}{which}")
+    if len(prompts) > 1 and model.compiled_step is not None:
+        raise ValueError("a compiled model decodes one sequence at a time; load it without compile for a batch")
     # The last generated token never needs a K/V slot, so m tokens need len(prompt) + m - 1.
-    return min(max_new_tokens, context - len(prompt_ids))
+    return [min(max_new_tokens, context - len(p)) for p in prompts]
 
 
-def ensure_cache(model: Transformer, needed: int):
-    """Reuse the model's KV cache when it is big enough; else allocate once, with headroom."""
-    if model.cache_len < needed:
-        model.setup_cache(min(model.args.max_seq_len, max(needed, 2 * model.cache_len, 256)))
+def ensure_cache(model: Transformer, needed: int, rows: int):
+    """Reuse the model's KV cache when it has the rows and is long enough; else allocate once,
+    with headroom for longer requests."""
+    if model.cache_len < needed or model.cache_rows != rows:
+        grown = 2 * model.cache_len if model.cache_rows == rows else 0
+        model.setup_cache(min(model.args.max_seq_len, max(needed, grown, 256)), rows)
 
 
-def committed_mask(model: Transformer, rows: int) -> torch.Tensor:
-    """A (rows, cache_len) mask buffer for the steps: True over the committed slots [0, C),
-    False past them; a step writes its own block after C, and clears it again."""
-    mask = torch.zeros(rows, model.cache_len, dtype=torch.bool, device=model.device)
-    mask[:, :model.committed] = True
-    return mask
-
-
-def mask_width(model: Transformer, end: int) -> int:
-    """How much of the cache a step attends over: up to its last slot, or (compiled, a fixed
-    shape) the whole cache."""
-    return model.cache_len if model.compiled_step is not None else end
-
-
-def prefill(model: Transformer, prompt_ids) -> torch.Tensor:
-    """Run the prompt through the model, filling cache slots [0, P); return the logits (1, 1, V)
-    that predict the first new token. Causal without a mask (model.forward), so a long prompt
-    costs memory linear in its length."""
-    P = len(prompt_ids)
-    idx = torch.arange(P, device=model.device)
-    logits = model(torch.tensor([prompt_ids], device=model.device), idx, idx, rows=[P - 1])
-    model.committed = P
-    return logits
+def prefill(model: Transformer, prompts) -> torch.Tensor:
+    """Run each prompt through the model, prompt b filling slots [0, P_b) of cache row b; return
+    the logits (B, V) that predict each first new token. Causal without a mask (model.forward),
+    so a long prompt costs memory linear in its length; one prompt at a time, so that prompts
+    of different lengths cost the sum of their lengths, not B times the longest."""
+    logits = []
+    for b, prompt_ids in enumerate(prompts):
+        P = len(prompt_ids)
+        idx = torch.arange(P, device=model.device)
+        tokens = torch.tensor([prompt_ids], device=model.device)  # (1, P)
+        logits.append(model(tokens, idx, idx, rows=idx[-1:], cache_row=b)[:, -1])
+    return torch.cat(logits)  # (B, V)
 
 
 @dataclass(frozen=True)
@@ -137,46 +135,78 @@ class Sampling:
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         return logits.softmax(-1)
 
-    def pick(self, logits: torch.Tensor, generator=None) -> torch.Tensor:
-        """(R, V) logits -> (R, 1) tokens: the argmax when greedy, else a draw from probs."""
+    def pick(self, logits: torch.Tensor, generators) -> torch.Tensor:
+        """(B, V) logits -> (B, 1) tokens: the argmax when greedy, else a draw from probs with
+        row b's own generator."""
         if self.greedy:
             return logits.argmax(-1, keepdim=True)
-        return torch.multinomial(self.probs(logits), 1, generator=generator)
+        probs = self.probs(logits)
+        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])[:, None]
 
 
 GREEDY = Sampling(temperature=0)
 
 
-def one_by_one(model, prompt_ids, max_new_tokens, stop_ids, on_tokens, pick) -> Generation:
-    """Prefill, then one token per forward, reusing the cache; pick(logits (1, V)) -> (1, 1)."""
+def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, seed=0) -> list[Generation]:
+    """Prefill, then one token per forward for each row, reusing the cache. Row b's last token
+    sits at slot and position C[b]; every step runs every unfinished row's last token."""
     start = time.perf_counter()
-    max_new_tokens = check_request(model, prompt_ids, max_new_tokens)
-    ensure_cache(model, len(prompt_ids) + max_new_tokens - 1)
-    stop = set(stop_ids)
-    slots = torch.arange(model.cache_len, device=model.device)
+    limits = check_requests(model, prompts, max_new_tokens)
+    ensure_cache(model, max(len(p) + m - 1 for p, m in zip(prompts, limits)), len(prompts))
+    stop, dev = set(stop_ids), model.device
+    gens = [torch.Generator(dev).manual_seed(seed + b) for b in range(len(prompts))]
 
-    next_token = pick(prefill(model, prompt_ids)[:, -1])  # (1, 1): stays on the device as the next input
-    tokens = [next_token.item()]
-    prefill_seconds = time.perf_counter() - start
-    mask = committed_mask(model, 1)
-    on_tokens and on_tokens(tokens[-1:])
-    steps = 0
-    while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-        C = model.committed  # the last token sits at position and slot C
-        mask[:, C] = True
-        logits = model.step(next_token, slots[C:C + 1], slots[C:C + 1], mask[:, :mask_width(model, C + 1)])
-        next_token = pick(logits[:, -1])
-        model.committed = C + 1
-        tokens.append(next_token.item())  # the one host sync per step
-        steps += 1
-        on_tokens and on_tokens(tokens[-1:])
-    return Generation(tokens, steps, time.perf_counter() - start, [1] * steps, prefill_seconds=prefill_seconds)
+    next_tokens = sampling.pick(prefill(model, prompts), gens)  # (B, 1): stays on the device as the input
+    tokens = [[t] for t in next_tokens[:, 0].tolist()]
+    out = [Generation(t, 0, 0.0, prefill_seconds=time.perf_counter() - start) for t in tokens]
+    C = torch.tensor([[len(p)] for p in prompts], device=dev)  # (B, 1)
+    lengths = [len(p) for p in prompts]  # C on the host, for the mask's width
+    active = list(range(len(prompts)))  # the rows still decoding, in the cache's row order
+    for b in active:
+        on_tokens and on_tokens(b, tokens[b])
+    while True:
+        keep = [j for j, b in enumerate(active) if len(tokens[b]) < limits[b] and tokens[b][-1] not in stop]
+        for j in set(range(len(active))) - set(keep):
+            out[active[j]].seconds = time.perf_counter() - start
+        if len(keep) < len(active):  # finished rows leave the batch (and the cache)
+            if not keep:
+                return out
+            active, C, next_tokens = [active[j] for j in keep], C[keep], next_tokens[keep]
+            model.keep_rows(keep, max(lengths) + 1)
+        S = mask_width(model, max(lengths[b] for b in active) + 1)
+        mask = (torch.arange(S, device=dev) <= C)[:, None]  # (B, 1, S): the committed slots and its own
+        logits = model.step(next_tokens, C, C, mask)  # (B, 1, V)
+        next_tokens = sampling.pick(logits[:, -1], [gens[b] for b in active])
+        C = C + 1
+        for b, t in zip(active, next_tokens[:, 0].tolist()):  # the one host sync per step
+            tokens[b].append(t)
+            lengths[b] += 1
+            out[b].steps += 1
+            out[b].accepted.append(1)
+            on_tokens and on_tokens(b, [t])
+
+
+def mask_width(model: Transformer, end: int) -> int:
+    """How much of the cache a step attends over: up to its last slot, or (compiled, a fixed
+    shape) the whole cache."""
+    return model.cache_len if model.compiled_step is not None else end
+
+
+def per_row(on_tokens):
+    """A single sequence's on_tokens(ids) as a batch's on_tokens(row, ids)."""
+    return on_tokens and (lambda _, ids: on_tokens(ids))
 
 
 @torch.inference_mode()
 def greedy_decode(model, prompt_ids, max_new_tokens, stop_ids=(), on_tokens=None) -> Generation:
     """The baseline: one token per forward. Lookahead must reproduce it token for token."""
-    return one_by_one(model, prompt_ids, max_new_tokens, stop_ids, on_tokens, GREEDY.pick)
+    return one_by_one(model, [prompt_ids], max_new_tokens, stop_ids, per_row(on_tokens), GREEDY)[0]
+
+
+@torch.inference_mode()
+def greedy_decode_batch(model, prompts, max_new_tokens, stop_ids=(), on_tokens=None) -> list[Generation]:
+    """greedy_decode for several prompts in one forward per step; on_tokens(row, new ids)."""
+    return one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, GREEDY)
 
 
 @torch.inference_mode()
@@ -184,11 +214,7 @@ def sample_decode(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, t
                   stop_ids=(), on_tokens=None) -> Generation:
     """Plain sampling, one token per forward: the distribution lookahead sampling must keep."""
     sampling = Sampling(temperature, top_k, top_p)
-    if sampling.greedy:
-        return greedy_decode(model, prompt_ids, max_new_tokens, stop_ids, on_tokens)
-    gen = torch.Generator(model.device).manual_seed(seed)
-    return one_by_one(model, prompt_ids, max_new_tokens, stop_ids, on_tokens,
-                      lambda logits: sampling.pick(logits, gen))
+    return one_by_one(model, [prompt_ids], max_new_tokens, stop_ids, per_row(on_tokens), sampling, seed)[0]
 
 
 class NGramPool:
@@ -351,15 +377,15 @@ def window_layout(W: int, L: int):
     return mask, offsets
 
 
-def step_inputs(tree: Tree, window, w: int, size: int, C: int, dev):
-    """Tokens (1, size), positions (size,), the (size, size) in-step mask and the logits rows to
-    read, of one step laid out as
+def step_inputs(tree: Tree, window, w: int, size: int):
+    """Tokens (size,), positions after C (size,), the (size, size) in-step mask (0/1) and the
+    logits rows to read, of one row's step laid out as
 
         [ tree: last, guesses | window: w columns x L levels | padding ]
 
     Rows read: every tree node (row i predicts the token after node i), then the newest window
     level (its predictions become the next level). Padding tokens attend only to themselves and
-    their rows are never read. Built on the host and copied to the device in one transfer."""
+    their rows are never read. Built on the host; the loop copies all rows' in one transfer."""
     n, L = len(tree), len(window) if w else 0
     T = n + w * L
     block = torch.zeros(size, size, dtype=torch.long)
@@ -383,9 +409,7 @@ def step_inputs(tree: Tree, window, w: int, size: int, C: int, dev):
     pad = torch.arange(T, size)
     block[pad, pad] = 1
     read = list(range(n)) + list(range(n + (L - 1) * w, n + L * w))
-    packed = torch.cat((torch.tensor(seq), C + offsets, block.flatten(), torch.tensor(read))).to(dev)
-    seq, positions, block, read = packed.split((size, size, size * size, len(read)))
-    return seq[None], positions, block.view(size, size).bool(), read
+    return torch.tensor(seq), offsets, block, read
 
 
 def verify_greedy(tree: Tree, pred) -> tuple[list[int], int]:
@@ -542,20 +566,19 @@ class Shape:
     cost: float = 0.0
 
 
-def choose_shape(tree: Tree, acceptance: Acceptance, costs: StepCosts, levels: int, max_window: int,
-                 budget: int) -> tuple[Tree, int, Shape]:
-    """The dynamic policy: the step (guesses kept, window columns) that maximises the expected
-    committed tokens per second.
+def step_values(tree: Tree, acceptance: Acceptance, levels: int, max_window: int, budget: int):
+    """What a step of each size of the menu (up to budget) is worth to one row: {size: (expected
+    tokens, n guesses, w window columns)} for the best step that fits in it, and the guesses in
+    order of value (the best n are order[:n]).
 
     A guess is worth its chance to be accepted: the product of its ancestors' chances to be
     right given their parents (Acceptance). The best-ranked candidate's guesses are worth more:
     when it is rejected near its start, its rows become the next step's Jacobi guess, so each
     also carries the chance that the guess it leaves is accepted then. A child is never worth
     more than its parent, so the best k guesses for a budget of k are the k most valuable, and
-    a step of size T expects
+    a step of size T with w columns of L levels expects
         1 + (the value of its T-1-w*L best guesses) + w * (what a window column yields)
-    tokens at the cost costs.estimate(T). Every size of the menu and every window width is
-    tried; padding is never chosen where a smaller size holds the same step."""
+    tokens. Every window width is tried; what fits in a size fits, padded, in the next."""
     chance = [1.0] * len(tree)
     for i in range(1, len(tree)):  # parents come before children
         chance[i] = chance[tree.parent[i]] * acceptance.p(acceptance.key(tree, i))
@@ -571,28 +594,194 @@ def choose_shape(tree: Tree, acceptance: Acceptance, costs: StepCosts, levels: i
     for i in order:
         prefix.append(prefix[-1] + value[i])
     col_value = acceptance.window_yield()
+    best, size = {}, 1
+    while size <= budget:
+        here, w = best.get(size // 2, (1.0, 0, 0)), 0  # `last` alone, or a smaller step padded
+        while w <= max_window and 1 + w * levels <= size:
+            n = min(len(order), size - 1 - w * levels)
+            expected = 1 + prefix[n] + w * col_value
+            if expected > here[0]:
+                here = (expected, n, w)
+            w = 2 * w if w else 1
+        best[size] = here
+        size *= 2
+    return order, best
+
+
+def choose_shape(rows, costs: StepCosts, budget: int) -> list[tuple[Tree, int, Shape]]:
+    """The dynamic policy: the step size T that maximises the expected committed tokens per
+    second, i.e. the sum over the batch's rows of what a step of size T is worth to each
+    (step_values), over what it costs (costs.estimate(T)); then each row's best guesses and
+    window columns within T. rows: (tree, acceptance, window levels, max window) for each.
+    Returns each row's (trie of the guesses kept, window columns, Shape)."""
+    values = [step_values(tree, acc, levels, max_window, budget) for tree, acc, levels, max_window in rows]
     cheapest = min((c for s in (1, 2) if (c := costs.estimate(s))), default=1.0)
-    best = (0.0, 0, 0, Shape(0, 0, 0, 1))  # `last` alone, should a cost model offer no size at all
-    size = 1
+    rate, T, size = 0.0, 1, 1  # `last` alone, should a cost model offer no size at all
     while size <= budget:
         cost = costs.estimate(size)
-        if cost is not None:
-            w = 0
-            while w <= max_window and 1 + w * levels <= size:
-                n = min(len(order), size - 1 - w * levels)
-                if n + w * levels + 1 > size // 2 or size == 1:  # a smaller size holds it otherwise
-                    expected = 1 + prefix[n] + w * col_value
-                    if expected / cost > best[0]:
-                        best = (expected / cost, n, w, Shape(w, levels if w else 0, n, size, expected,
-                                                             cost / cheapest))
-                w = 2 * w if w else 1
+        if cost is not None and sum(best[size][0] for _, best in values) / cost > rate:
+            rate, T = sum(best[size][0] for _, best in values) / cost, size
         size *= 2
-    _, n, w, shape = best
-    return tree.keep(order[:n]), w, shape
+    shapes = []
+    for (tree, _, levels, _), (order, best) in zip(rows, values):
+        expected, n, w = best[T]
+        shape = Shape(w, levels if w else 0, n, T, expected, (costs.estimate(T) or cheapest) / cheapest)
+        shapes.append((tree.keep(order[:n]), w, shape))
+    return shapes
 
 
 # The dynamic shape's limits: window columns, pooled n-grams per key, tokens per step.
 MAX_WINDOW, MAX_CANDIDATES, MAX_STEP = 16, 16, STEP_SIZES[-1]
+
+
+class Sequence:
+    """One prompt's lookahead state (a row of the batch): its committed tokens, n-gram pool,
+    window, Jacobi guess and acceptance. The decode loop (lookahead_decode_batch) asks every
+    row for its part of a step (propose, shape, inputs), runs one forward for all rows, and
+    hands each row its logits (verify, which commits and updates the window)."""
+
+    def __init__(self, prompt_ids, max_new_tokens, N, W, G, dynamic, sampling, seed, stop, dev,
+                 prompt_ngrams, output_ngrams, jacobi_guess):
+        self.prompt, self.max_new, self.stop = list(prompt_ids), max_new_tokens, stop
+        self.N, self.levels, self.W, self.G, self.dynamic = N, N - 1, W, G, dynamic
+        self.sampling, self.output_ngrams, self.jacobi_guess = sampling, output_ngrams, jacobi_guess
+        self.C = len(prompt_ids)  # committed slots: `last` (tokens[-1]) sits at slot and position C
+        self.tokens, self.out = [], Generation([], 0, 0.0)
+        self.acceptance = Acceptance()
+        # Window: level 0 starts as random prompt tokens (any guess converges; these are cheap
+        # and seeded, so runs repeat). It grows a level per step until it has N-1; verification
+        # does not wait for it, since the pool already holds the prompt's n-grams.
+        self.window_rng, self.rng = random.Random(seed), random.Random(seed + 1)
+        self.window = [[self.window_rng.choice(self.prompt) for _ in range(W)]] if W and not dynamic else []
+        self.gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
+        # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies
+        # (commit adds the n-grams of the committed text as it grows).
+        self.pool = NGramPool(max(G, POOL_MIN_PER_KEY) if G else 0)
+        if prompt_ngrams:
+            for i in range(len(self.prompt) - N + 1):
+                self.pool.add(self.prompt[i:i + N], self.prompt[i - 1] if i else None)
+        self.context = list(self.prompt)  # and the committed tokens, for output_ngrams
+        self.jacobi = []  # the model's predictions left over from the last step (verify)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.max_new or bool(self.tokens) and self.tokens[-1] in self.stop
+
+    def commit(self, new_tokens) -> list[int]:
+        """Append committed tokens, cut exactly where greedy would stop (a stop id, or
+        max_new_tokens), and pool the n-grams that end in them; return what was kept."""
+        new_tokens = new_tokens[:self.max_new - len(self.tokens)]
+        for i, t in enumerate(new_tokens):
+            if t in self.stop:
+                new_tokens = new_tokens[:i + 1]
+                break
+        self.tokens += new_tokens
+        if self.output_ngrams:
+            N, context = self.N, self.context
+            context.extend(new_tokens)
+            for end in range(max(N, len(context) - len(new_tokens) + 1), len(context) + 1):
+                self.pool.add(context[end - N:end], context[end - N - 1] if end > N else None)
+        return new_tokens
+
+    def propose(self) -> Tree:
+        """1. Propose: a trie of candidate continuations of `last`. Pooled n-grams that start
+        with `last`, those seen after the same token as now first, then the Jacobi guess. They
+        need not guess past max_new_tokens. (The place to plug in any other draft source.)"""
+        last = self.tokens[-1]
+        K = min(self.levels, self.max_new - len(self.tokens) - 1)
+        before = self.tokens[-2] if len(self.tokens) > 1 else self.prompt[-1]  # the token before `last`
+        tree = Tree(last)
+        if K > 0:
+            pooled = self.pool.ranked(last, before)[:self.G]
+            for rest, in_context, from_window in pooled:
+                tree.add(rest[:K], "context" if in_context else "pool", from_window)
+            if self.jacobi and (self.dynamic or len(pooled) < self.G):
+                # A fixed shape pads it to K guesses with its last token (a guess costs a slot,
+                # never exactness); the dynamic one leaves that to the chances of real guesses.
+                pad = [] if self.dynamic else self.jacobi[-1:] * (K - len(self.jacobi))
+                tree.add((self.jacobi + pad)[:K], "jacobi")
+        return tree
+
+    def fixed_shape(self, tree: Tree, budget: int) -> tuple[Tree, int, Shape]:
+        """2. A fixed shape verifies every guess and runs the whole window; near the end of the
+        cache the window sits out and the trie shrinks to what still fits."""
+        L = len(self.window)
+        w = self.W if step_size(len(tree) + self.W * L) <= budget else 0
+        if step_size(len(tree) + w * L) > budget:
+            tree = tree.keep(range(1, 1 << (budget.bit_length() - 1)))
+        return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
+
+    def inputs(self, tree: Tree, w: int, size: int):
+        """The row's part of the step, padded to `size` (step_inputs). A dynamic window keeps
+        its columns while its width stays; narrowed, it loses its rightmost ones; widened, new
+        columns start from random prompt tokens, as the first one does."""
+        if w and not self.window:
+            self.window = [[self.window_rng.choice(self.prompt) for _ in range(w)]]
+        elif w and self.dynamic:
+            self.window = [level[:w] + [self.window_rng.choice(self.prompt) for _ in range(w - len(level))]
+                           for level in self.window]
+        return step_inputs(tree, self.window, w, size)
+
+    def verify(self, tree: Tree, w: int, shape: Shape, pred: list[int], logits, on_step=None) -> list[int]:
+        """Steps 4 to 7 for this row, given its logits rows (pred: their argmax). Returns the cache
+        slots (after C) whose K/V are now committed, in order; the loop moves them (rollback)."""
+        n, C = len(tree), self.C
+        new_level = pred[n:n + w]
+
+        # 4. Verify the guesses against the model's own choices (greedy: its argmax; sampling:
+        #    a rejection test that keeps plain sampling's distribution).
+        if self.sampling.greedy:
+            path, bonus = verify_greedy(tree, pred)
+        else:
+            path, bonus = verify_sampled(tree, self.sampling.probs(logits[:n]), self.rng, self.gen)
+
+        # 5. Commit and roll back: `last` is already in slot C; the accepted guesses' K/V move
+        #    from their slots (node i sits in slot C + i) to C+1... They can be kept as they
+        #    are: same tokens, same positions, attending to exactly the committed context, so
+        #    they are what a sequential run would have written. Nothing else survives: the rest
+        #    of this step's slots lie past the committed length and are overwritten next step.
+        src = [C] + [C + v for v in path]
+        self.C = C + len(src)
+        # The first rejected guess's rows predicted the tokens that follow what is committed
+        # now, from a context that is wrong in one token; as in Jacobi decoding, they are a
+        # guess for the next step, and often right (the pool is often empty for `last`).
+        #     accepted   last  a0         rejected: a1 (the model said b)   commits a0, b
+        #     rows       a1 -> p1, a2 -> p2            Jacobi guess next step: [p1, p2]
+        end = path[-1] if path else 0
+        rejected = next(iter(tree.children[end].values()), None)
+        self.jacobi = [pred[v] for v in tree.first_chain(rejected)] if rejected and self.jacobi_guess else []
+        self.acceptance.record(tree, path, w)
+        trace = on_step and self.trace(tree, w, shape, path)  # before the window moves on
+
+        # 6. Jacobi update: the newest level's predictions become a new level; once the window
+        #    is full, each column plus its prediction is an N-gram for the pool, and the oldest
+        #    level drops out.
+        window = self.window
+        if w:
+            if len(window) == self.levels:
+                for j in range(w):
+                    # column j's trajectory continues level 0 after its column j-1 (or `last`)
+                    self.pool.add([level[j] for level in window] + [new_level[j]],
+                                  window[0][j - 1] if j else tree.tokens[0], from_window=True)
+                window.pop(0)
+            window.append(new_level)
+
+        # 7. Stop exactly where greedy would: at a stop id, or at max_new_tokens.
+        new_tokens = self.commit([tree.tokens[v] for v in path] + [bonus])
+        on_step and on_step({**trace, "committed": new_tokens})
+        self.out.steps += 1
+        self.out.accepted.append(len(new_tokens))
+        self.out.shapes.append(shape)
+        return src
+
+    def trace(self, tree, w, shape, path) -> dict:
+        """What a step did, for on_step (--trace)."""
+        accepted = [tree.tokens[v] for v in path]
+        winner = next((g for g, (c, *_) in enumerate(tree.chains) if list(c[:len(accepted)]) == accepted), 0)
+        return dict(step=self.out.steps, shape=shape, last=tree.tokens[0],
+                    window=[level[:w] for level in self.window[:shape.levels]],
+                    candidates=[list(c) for c, *_ in tree.chains], sources=[k for _, k, _ in tree.chains],
+                    jacobi=bool(tree.chains) and tree.chains[-1][1] == "jacobi", winner=winner, accepted=len(path))
 
 
 @torch.inference_mode()
@@ -616,12 +805,35 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
     prompt_ngrams / output_ngrams: also pool the n-grams of the prompt / of the text committed
     so far (text that repeats itself or copies the prompt is then accepted whole).
     jacobi_guess: also verify the model's own predictions left over from the step before
-    (step 5 below); with a fixed shape only when the pool offers fewer than G candidates.
+    (Sequence.verify); with a fixed shape only when the pool offers fewer than G candidates.
     on_tokens(new ids) is called as tokens are committed; on_step(dict) after each step with
     what it did (shape, window, candidates, whether the last one is the Jacobi guess, winner,
     guesses accepted, tokens committed), for tracing.
     With measured costs the dynamic shapes depend on timing, and so do sampled tokens for a
     seed (their distribution does not): give a fixed shape or `costs` to repeat a sampled run."""
+    return lookahead_decode_batch(model, [prompt_ids], max_new_tokens, window, ngram, guesses, stop_ids, seed,
+                                  temperature, top_k, top_p, per_row(on_tokens), costs, prompt_ngrams,
+                                  output_ngrams, jacobi_guess, on_step and (lambda _, step: on_step(step)))[0]
+
+
+@torch.inference_mode()
+def lookahead_decode_batch(model, prompts, max_new_tokens, window=None, ngram=None, guesses=None, stop_ids=(),
+                           seed=0, temperature=0.0, top_k=0, top_p=1.0, on_tokens=None, costs=None,
+                           prompt_ngrams=True, output_ngrams=True, jacobi_guess=True,
+                           on_step=None) -> list[Generation]:
+    """lookahead_decode for several prompts, one forward per step for all of them: row b is
+    exactly its own lookahead_decode (seed + b), with its own window, pool, shape and rollback.
+
+    The step of B rows is their steps side by side, each padded to the batch's size T:
+
+        row 0   [ last | guesses | window | padding ]   slots C0 .. C0+T-1 of cache row 0
+        row 1   [ last | guesses | window .......... ]   slots C1 .. C1+T-1 of cache row 1
+
+    Each row's mask is its own committed slots plus its own block, so rows never see each
+    other. The dynamic shape chooses T for the batch (costs measured for steps of B rows), and
+    each row the guesses and window it runs within T. A finished row leaves the batch and the
+    cache. on_tokens(row, new ids),
+    on_step(row, dict)."""
     dynamic = window is None and guesses is None
     if not dynamic and (window is None or guesses is None):
         raise ValueError("a fixed shape needs both window and guesses (neither: the dynamic shape)")
@@ -631,154 +843,74 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
         raise ValueError(f"need window >= 0, ngram >= 2, guesses >= 0 (got {W}, {N}, {G})")
     sampling = Sampling(temperature, top_k, top_p)
     start = time.perf_counter()
-    max_new_tokens = check_request(model, prompt_ids, max_new_tokens)
-    levels = N - 1  # a full window has N-1 levels; with the new prediction they make N-grams
-    step_max = min(MAX_STEP, step_size(2 + (W + G) * levels)) if dynamic else step_size(1 + (W + G) * levels)
-    ensure_cache(model, min(model.args.max_seq_len, len(prompt_ids) + max_new_tokens - 1 + step_max))
+    limits = check_requests(model, prompts, max_new_tokens)
+    step_max = min(MAX_STEP, step_size(2 + (W + G) * (N - 1))) if dynamic else step_size(1 + (W + G) * (N - 1))
+    longest = max(len(p) + m - 1 for p, m in zip(prompts, limits))
+    ensure_cache(model, min(model.args.max_seq_len, longest + step_max), len(prompts))
     dev, stop = model.device, set(stop_ids)
-    slots = torch.arange(model.cache_len, device=dev)
-    costs = costs or STEP_COSTS.setdefault(model, StepCosts())
-    acceptance = Acceptance()
+    rows = [Sequence(p, m, N, W, G, dynamic, sampling, seed + b, stop, dev, prompt_ngrams, output_ngrams,
+                     jacobi_guess) for b, (p, m) in enumerate(zip(prompts, limits))]
 
-    # Window: level 0 starts as random prompt tokens (any guess converges; these are cheap and
-    # seeded, so runs repeat). It grows a level per step until it has N-1; verification does not
-    # wait for it, since the pool already holds the prompt's n-grams.
-    window_rng, rng = random.Random(seed), random.Random(seed + 1)
-    window = [[window_rng.choice(prompt_ids) for _ in range(W)]] if W and not dynamic else []
-    # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies
-    # (step 7 below adds the n-grams of the committed text as it grows).
-    pool = NGramPool(max(G, POOL_MIN_PER_KEY) if G else 0)
-    if prompt_ngrams:
-        for i in range(len(prompt_ids) - N + 1):
-            pool.add(prompt_ids[i:i + N], prompt_ids[i - 1] if i else None)
-
-    gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
-    tokens = [sampling.pick(prefill(model, prompt_ids)[0], gen).item()]
-    prefill_seconds = time.perf_counter() - start
-    # The step's mask is [committed cache: all True | step block | rest: False]; one buffer
-    # serves every step.
-    mask_buf = committed_mask(model, step_max)
-    on_tokens and on_tokens(tokens[-1:])
-    context = list(prompt_ids)  # and the committed tokens, for output_ngrams
-
-    def pool_output(new_tokens):  # pool the n-grams that end in the new tokens
-        context.extend(new_tokens)
-        for end in range(max(N, len(context) - len(new_tokens) + 1), len(context) + 1):
-            pool.add(context[end - N:end], context[end - N - 1] if end > N else None)
-
-    if output_ngrams:
-        pool_output(tokens)
-    steps, accepted_lengths, shapes = 0, [], []
-    jacobi = []  # the model's predictions left over from the last step (step 5)
-    while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-        step_start = time.perf_counter()
-        C, last = model.committed, tokens[-1]  # `last` sits at position and slot C
-        budget = model.cache_len - C
-
-        # 1. Propose: a trie of candidate continuations of `last`. Pooled n-grams that start with
-        #    `last`, those seen after the same token as now first, then the Jacobi guess (step 5).
-        #    They need not guess past max_new_tokens.
-        K = min(levels, max_new_tokens - len(tokens) - 1)
-        before = tokens[-2] if len(tokens) > 1 else prompt_ids[-1]  # the token before `last`
-        tree = Tree(last)
-        if K > 0:
-            pooled = pool.ranked(last, before)[:G]
-            for rest, in_context, from_window in pooled:
-                tree.add(rest[:K], "context" if in_context else "pool", from_window)
-            if jacobi and (dynamic or len(pooled) < G):
-                # A fixed shape pads it to K guesses with its last token (a guess costs a slot,
-                # never exactness); the dynamic one leaves that to the chances of real guesses.
-                tree.add((jacobi if dynamic else jacobi + jacobi[-1:] * (K - len(jacobi)))[:K], "jacobi")
-
-        # 2. Shape the step: which guesses and how many window columns, padded to a size of the
-        #    menu. Dynamic: the best expected tokens per second. Fixed: all of them; near the
-        #    end of the cache the window sits out and the trie shrinks to what still fits.
-        if dynamic:
-            tree, w, shape = choose_shape(tree, acceptance, costs, len(window) or 1, W, min(budget, step_max))
-            if w and not window:
-                window = [[window_rng.choice(prompt_ids) for _ in range(w)]]
-            elif w:  # narrowed: drop the rightmost columns; widened: new random columns
-                window = [level[:w] + [window_rng.choice(prompt_ids) for _ in range(w - len(level))]
-                          for level in window]
-        else:
-            w = W if step_size(len(tree) + W * len(window)) <= budget else 0
-            if step_size(len(tree) + w * len(window)) > budget:
-                tree = tree.keep(range(1, 1 << (budget.bit_length() - 1)))
-            shape = Shape(w, len(window) if w else 0, len(tree) - 1, 0)
-        n, L = len(tree), len(window) if w else 0
-        size = shape.size = step_size(n + w * L)
-
-        # 3. One forward over [tree | window | padding] under the combined mask. Logits rows
-        #    read: every tree node (row i predicts the token after node i), then the newest
-        #    window level (its predictions become the next level).
-        seq, positions, block, rows = step_inputs(tree, window, w, size, C, dev)
-        mask_buf[:size, C:C + size] = block
-        logits = model.step(seq, positions, slots[C:C + size], mask_buf[:size, :mask_width(model, C + size)], rows)
-        mask_buf[:size, C:C + size] = False
-        pred = logits[0].argmax(-1).tolist()  # the one host sync per greedy step
-        new_level = pred[n:]
-
-        # 4. Verify the guesses against the model's own choices (greedy: its argmax; sampling:
-        #    a rejection test that keeps plain sampling's distribution).
-        if sampling.greedy:
-            path, bonus = verify_greedy(tree, pred)
-        else:
-            path, bonus = verify_sampled(tree, sampling.probs(logits[0, :n]), rng, gen)
-        new_tokens = [tree.tokens[v] for v in path] + [bonus]
-
-        # 5. Commit and roll back: `last` is already in slot C; the accepted guesses' K/V move
-        #    from their slots (node i sits in slot C + i) to C+1... They can be kept as they
-        #    are: same tokens, same positions, attending to exactly the committed context, so
-        #    they are what a sequential run would have written. Nothing else survives: the rest
-        #    of this step's slots lie past the committed length and are overwritten next step.
-        model.commit([C] + [C + v for v in path])
-        mask_buf[:, C:model.committed] = True  # the committed slots: context for every row from now on
-        # The first rejected guess's rows predicted the tokens that follow what is committed
-        # now, from a context that is wrong in one token; as in Jacobi decoding, they are a
-        # guess for the next step, and often right (the pool is often empty for `last`).
-        #     accepted   last  a0         rejected: a1 (the model said b)   commits a0, b
-        #     rows       a1 -> p1, a2 -> p2            Jacobi guess next step: [p1, p2]
-        end = path[-1] if path else 0
-        rejected = next(iter(tree.children[end].values()), None)
-        jacobi = [pred[v] for v in tree.first_chain(rejected)] if rejected and jacobi_guess else []
-        acceptance.record(tree, path, w)
-
-        if on_step:  # before the window moves on; `committed` is trimmed at a stop id (step 7)
-            accepted = [tree.tokens[v] for v in path]
-            winner = next((g for g, (c, *_) in enumerate(tree.chains) if list(c[:len(accepted)]) == accepted), 0)
-            step = dict(step=steps, shape=shape, last=last, window=[level[:w] for level in window[:L]],
-                        candidates=[list(c) for c, *_ in tree.chains], sources=[k for _, k, _ in tree.chains],
-                        jacobi=bool(tree.chains) and tree.chains[-1][1] == "jacobi", winner=winner,
-                        accepted=len(path))
-
-        # 6. Jacobi update: the newest level's predictions become a new level; once the window
-        #    is full, each column plus its prediction is an N-gram for the pool, and the
-        #    oldest level drops out.
-        if w:
-            if len(window) == levels:
-                for j in range(w):
-                    # column j's trajectory continues level 0 after its column j-1 (or `last`)
-                    pool.add([level[j] for level in window] + [new_level[j]], window[0][j - 1] if j else last,
-                             from_window=True)
-                window.pop(0)
-            window.append(new_level)
-
-        # 7. Stop exactly where greedy would: at a stop id, or at max_new_tokens.
-        new_tokens = new_tokens[:max_new_tokens - len(tokens)]
-        for i, t in enumerate(new_tokens):
-            if t in stop:
-                new_tokens = new_tokens[:i + 1]
+    first = sampling.pick(prefill(model, prompts), [row.gen for row in rows])[:, 0].tolist()
+    for b, row in enumerate(rows):
+        row.out.prefill_seconds = time.perf_counter() - start
+        kept = row.commit(first[b:b + 1])
+        on_tokens and on_tokens(b, kept)
+    active = list(range(len(rows)))  # the rows still decoding, in the cache's row order
+    while True:
+        keep = [j for j, b in enumerate(active) if not rows[b].done]
+        for j in set(range(len(active))) - set(keep):
+            rows[active[j]].out.seconds = time.perf_counter() - start
+        if len(keep) < len(active):  # finished rows leave the batch (and the cache)
+            if not keep:
                 break
-        tokens += new_tokens
-        on_step and on_step({**step, "committed": new_tokens})
-        if output_ngrams:
-            pool_output(new_tokens)
-        steps += 1
-        accepted_lengths.append(len(new_tokens))
-        shapes.append(shape)
-        costs.record(size, time.perf_counter() - step_start)
-        on_tokens and on_tokens(new_tokens)
-    return Generation(tokens, steps, time.perf_counter() - start, accepted_lengths, shapes, prefill_seconds)
+            model.keep_rows(keep, max(rows[b].C for b in active) + step_max)
+            active = [active[j] for j in keep]
+        step_start = time.perf_counter()
+        batch = [rows[b] for b in active]
+        B, budget = len(batch), min(step_max, model.cache_len - max(row.C for row in batch))
+        step_costs = costs or STEP_COSTS.setdefault(model, {}).setdefault(B, StepCosts())
+
+        # 1. Every row proposes its guesses (Sequence.propose).
+        trees = [row.propose() for row in batch]
+        # 2. Shape the step: which guesses and how many window columns each row runs, padded to
+        #    a size T of the menu. Dynamic: the best expected tokens per second (choose_shape).
+        if dynamic:
+            plans = choose_shape([(tree, row.acceptance, len(row.window) or 1, W) for row, tree in zip(batch, trees)],
+                                 step_costs, budget)
+        else:
+            plans = [row.fixed_shape(tree, budget) for row, tree in zip(batch, trees)]
+        T = max(shape.size for _, _, shape in plans)
+
+        # 3. One forward over every row's [tree | window | padding] under the combined mask,
+        #    built on the device from the rows' in-step blocks (one host-to-device copy).
+        parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(batch, plans)]
+        R = max(len(read) for *_, read in parts)
+        packed = torch.cat([torch.cat((seq, offsets, block.flatten(), torch.tensor(read + read[:1] * (R - len(read))),
+                                       torch.tensor([row.C]))) for row, (seq, offsets, block, read) in zip(batch, parts)])
+        packed = packed.to(dev).view(B, -1)
+        seq, offsets, block, read, C = packed.split((T, T, T * T, R, 1), dim=1)
+        slots = C + torch.arange(T, device=dev)  # (B, T): row b's step sits in its slots C_b..C_b+T-1
+        S = mask_width(model, max(row.C for row in batch) + T)
+        mask = (torch.arange(S, device=dev) < C)[:, None].repeat(1, T, 1)  # (B, T, S): the committed slots
+        mask.scatter_(2, slots[:, None].expand(B, T, T), block.view(B, T, T).bool())  # and the row's block
+        logits = model.step(seq, C + offsets, slots, mask, read)  # (B, R, V)
+        pred = logits.argmax(-1).tolist()  # the one host sync per greedy step
+
+        # 4 to 7. Every row verifies and commits its guesses; their K/V move in one copy.
+        moves = [row.verify(tree, w, shape, pred[j], logits[j], on_step and (lambda s, b=b: on_step(b, s)))
+                 for j, (b, row, (tree, w, shape)) in enumerate(zip(active, batch, plans))]
+        if any(src != list(range(src[0], src[0] + len(src))) for src in moves):
+            n = max(map(len, moves))
+            src = [m + m[-1:] * (n - len(m)) for m in moves]  # repeating a move changes nothing
+            dst = [list(range(m[0], m[0] + len(m))) + [m[0] + len(m) - 1] * (n - len(m)) for m in moves]
+            model.commit(*torch.tensor([src, dst], device=dev))
+        step_costs.record(T, time.perf_counter() - step_start)
+        for b, row in zip(active, batch):
+            on_tokens and on_tokens(b, row.tokens[len(row.tokens) - row.out.accepted[-1]:])
+    for row in rows:
+        row.out.tokens = row.tokens
+    return [row.out for row in rows]
 
 
 if __name__ == "__main__":  # the command line lives in cli.py; `python lookahead.py --prompt ...` runs it

@@ -176,7 +176,7 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x, cos, sin, slots, attn_mask):
+    def forward(self, x, cos, sin, slots, attn_mask, cache_rows):
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, hd)
@@ -184,9 +184,10 @@ class Attention(nn.Module):
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, hd)
         k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, hd)
         v = qkv[:, :, H + Hkv:].transpose(1, 2)
-        if slots is not None:  # write this call's K/V where the caller put them
-            self.k_cache[:, :, slots] = k
-            self.v_cache[:, :, slots] = v
+        if slots is not None:  # write this call's K/V where the caller put them: token t of row b
+            # to slot slots[b, t] (or slots[t]) of cache row cache_rows[b]
+            self.k_cache[cache_rows, :, slots] = k.transpose(1, 2)  # indexed as (B, T, Hkv, hd)
+            self.v_cache[cache_rows, :, slots] = v.transpose(1, 2)
         if attn_mask is None:
             # Causal among this call's own tokens and nothing else (a prefill): SDPA's causal
             # kernels never build a (T, T) mask, so memory stays linear in T.
@@ -225,8 +226,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, slots, attn_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, attn_mask)
+    def forward(self, x, cos, sin, slots, attn_mask, cache_rows):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, attn_mask, cache_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -246,8 +247,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.compiled_step = None  # see compile_steps
         self.compiled_sizes = ()
-        self.cache_len = 0  # slots in the KV cache; 0 = none set up
-        self.committed = 0  # slots [0, committed) hold the K/V of the accepted sequence
+        self.cache_len = 0  # slots in the KV cache; 0 = none set up (the decoders track what is committed)
 
     @property
     def device(self):
@@ -259,7 +259,7 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_seq_len: int, batch: int = 1):
         """Allocate the static KV cache once, (B, n_kv_heads, max_seq_len, head_dim) for each
-        layer's K and V; every decode step writes into it in place."""
+        layer's K and V, a row per sequence; every decode step writes into it in place."""
         if max_seq_len > self.args.max_seq_len:
             raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
         if self.compiled_step is not None:
@@ -269,58 +269,72 @@ class Transformer(nn.Module):
             attn = layer.self_attn
             attn.k_cache, attn.v_cache = (torch.zeros(batch, a.n_kv_heads, max_seq_len, a.head_dim,
                                                       dtype=self.dtype, device=self.device) for _ in "kv")
-        self.cache_len, self.committed = max_seq_len, 0
+        self.cache_len = max_seq_len
+
+    @property
+    def cache_rows(self) -> int:
+        return self.layers[0].self_attn.k_cache.shape[0] if self.cache_len else 0
+
+    def keep_rows(self, rows: list[int], used: int):
+        """Keep only these rows of the cache, in this order (a batch whose other sequences
+        finished), so that finished rows cost nothing after: their slots [0, used) are moved up
+        in place, once, and the cache becomes a view of its first len(rows) rows."""
+        index = torch.tensor(rows, device=self.device)
+        for layer in self.layers:
+            attn = layer.self_attn
+            for cache in (attn.k_cache, attn.v_cache):
+                cache[:len(rows), :, :used] = cache[index, :, :used]  # gathered first, then written
+            attn.k_cache, attn.v_cache = attn.k_cache[:len(rows)], attn.v_cache[:len(rows)]
 
     def kv(self) -> torch.Tensor:
         """Every layer's K and V stacked, (n_layers, 2, B, n_kv_heads, cache_len, head_dim): a copy,
         to inspect the cache."""
         return torch.stack([torch.stack((l.self_attn.k_cache, l.self_attn.v_cache)) for l in self.layers])
 
-    def commit(self, src_slots: list[int]):
-        """Accept the tokens whose K/V sit at `src_slots`: they become the next committed tokens.
+    def commit(self, src: torch.Tensor, dst: torch.Tensor):
+        """Move the K/V of accepted tokens: row b's slots src[b] to dst[b], (B, n) each.
 
-        Their K/V move down to [committed, committed + len); whatever else the step wrote stays
-        behind the committed length and is overwritten by the next step (that is the rollback).
-        """
-        n, start = len(src_slots), self.committed
-        if src_slots != list(range(start, start + n)):
-            src = torch.tensor(src_slots, device=self.device)
-            dst = torch.arange(start, start + n, device=self.device)
-            for layer in self.layers:
-                for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
-                    # index_select gathers before index_copy_ writes: overlapping src/dst are safe.
-                    cache.index_copy_(2, dst, cache.index_select(2, src))
-        self.committed = start + n
+        A step writes all its tokens' K/V after a row's committed slots; the accepted ones move
+        down to follow them. Whatever else the step wrote stays behind the committed length and
+        is overwritten by the next step: that is the rollback."""
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        for layer in self.layers:
+            for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
+                # Gathered first, then written: overlapping src and dst are safe.
+                cache[rows, :, dst] = cache[rows, :, src]
 
     def rope(self, positions):
-        """cos and sin for RoPE at these positions, (T, 1, head_dim), with rotate_half's sign in
-        sin (apply_rope). Computed once per forward for all layers, in float32 at least (a
+        """cos and sin for RoPE at these positions (T,) or (B, T): (T, 1, head_dim) or (B, T, 1,
+        head_dim), with rotate_half's sign in sin (apply_rope). Computed once per forward for all layers, in float32 at least (a
         bf16 model needs the precision for positions in the thousands; a float64 one keeps its own)."""
         wide = torch.promote_types(self.dtype, torch.float32)
-        angles = positions.to(wide)[:, None] * self.inv_freq.to(wide)[None, :]  # (T, head_dim/2)
+        angles = positions.to(wide)[..., None] * self.inv_freq.to(wide)  # (..., T, head_dim/2)
         cos, sin = angles.cos(), angles.sin()
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        return cos[:, None].to(self.dtype), sin[:, None].to(self.dtype)
+        return cos[..., None, :].to(self.dtype), sin[..., None, :].to(self.dtype)
 
     def attention_mask(self, mask):
-        """The boolean (T, S) mask as SDPA's additive float mask, built once for all layers
-        (SDPA would convert a boolean one in every layer): rows repeated for the query heads
-        folded together in Attention, (group*T, S), and a row stride that is a multiple of 16,
-        which fused GPU attention kernels need to read it in place."""
+        """The boolean (T, S) or (B, T, S) mask as SDPA's additive float mask, built once for all
+        layers (SDPA would convert a boolean one in every layer): rows repeated for the query
+        heads folded together in Attention, (group*T, S) or (B, 1, group*T, S), and a row stride
+        that is a multiple of 16, which fused GPU attention kernels need to read it in place."""
         group = self.args.n_heads // self.args.n_kv_heads
-        T, S = mask.shape
-        out = torch.full((group * T, -(-S // 16) * 16), float("-inf"), dtype=self.dtype, device=mask.device)
-        return out[:, :S].masked_fill_(mask.repeat(group, 1), 0.0)
+        *B, T, S = mask.shape
+        out = torch.full((*B, group * T, -(-S // 16) * 16), float("-inf"), dtype=self.dtype, device=mask.device)
+        out = out[..., :S].masked_fill_(mask.repeat(*[1] * len(B), group, 1), 0.0)
+        return out[:, None] if B else out
 
-    def forward(self, tokens, positions=None, slots=None, mask=None, rows=None):
+    def forward(self, tokens, positions=None, slots=None, mask=None, rows=None, cache_row=None):
         """tokens (B, T) -> logits (B, T, vocab).
 
         Without a mask: causal among these tokens alone, at positions 0..T-1 unless given (a
         prefill; with `slots`, their K/V also go into those cache slots). With the cache: token t
         sits at RoPE position positions[t], writes its K/V into cache slot slots[t], and attends
         to the cache slots s < S where mask[t, s] is True (mask is (T, S), S <= cache_len).
-        rows: compute logits only for these token indices (the LM head is a large part of a
-        small model's step, and lookahead reads few of the rows).
+        Per row instead: positions and slots (B, T), mask (B, T, S), each row in its own cache row.
+        rows: compute logits only for these token indices, (R,) or per row (B, R) (the LM head is
+        a large part of a small model's step, and lookahead reads few of the rows).
+        cache_row: write into this row of the cache (a prefill of one row of a batch; B = 1).
         """
         B, T = tokens.shape
         if positions is None:
@@ -329,23 +343,29 @@ class Transformer(nn.Module):
             raise ValueError("a mask attends over the cache: give the slots too")
         cos, sin = self.rope(positions)
         attn_mask = None if mask is None else self.attention_mask(mask)
+        cache_rows = (torch.arange(B, device=tokens.device)[:, None] if cache_row is None  # (B, 1)
+                      else torch.full((1, 1), cache_row, device=tokens.device))
         x = self.embed_tokens(tokens)  # (B, T, dim)
         for layer in self.layers:
-            x = layer(x, cos, sin, slots, attn_mask)
+            x = layer(x, cos, sin, slots, attn_mask, cache_rows)
         if rows is not None:
-            x = x[:, rows]
+            x = x[:, rows] if rows.dim() == 1 else x[torch.arange(B, device=x.device)[:, None], rows]
         return self.lm_head(self.norm(x))
 
     def step(self, tokens, positions, slots, mask, rows=None):
-        """One decoding step: forward(tokens, positions, slots, mask) -> logits (B, len(rows), V).
+        """One decoding step of B rows: forward(tokens (B, T), positions (B, T), slots (B, T),
+        mask (B, T, S), rows (B, R)) -> logits (B, R, V).
 
-        Compiled (compile_steps), a step of a compiled size over the whole cache (mask (T,
-        cache_len)) replays its graph, which computes every row's logits (a fixed shape), and
-        `rows` are picked from them after; anything else runs eagerly."""
+        Compiled (compile_steps), a step of a compiled size over the whole cache (S = cache_len)
+        replays its graph, which computes every token's logits (a fixed shape), and `rows` are
+        picked from them after; anything else runs eagerly."""
         T = tokens.shape[1]
         if self.compiled_step is not None and T in self.compiled_sizes and mask.shape[-1] == self.cache_len:
-            logits = self.compiled_step(tokens, positions, slots, mask)
-            return logits if rows is None else logits[:, rows]
+            # A graph is specialised on its inputs' strides too, and on which of them are one
+            # tensor: fresh contiguous copies, as at the warm-up (a few small copies a step).
+            inputs = (t.clone(memory_format=torch.contiguous_format) for t in (tokens, positions, slots, mask))
+            logits = self.compiled_step(*inputs)
+            return logits if rows is None else logits[torch.arange(len(rows), device=rows.device)[:, None], rows]
         return self(tokens, positions, slots, mask, rows=rows)
 
     @torch.inference_mode()
@@ -354,25 +374,25 @@ class Transformer(nn.Module):
         request compiles later: on CUDA as CUDA graphs ("reduce-overhead": one replay instead of
         ~1,100 kernel launches), on the CPU with inductor's C++ kernels.
 
-        Every compiled step has a fixed shape: T tokens, attention over the whole cache under
-        the mask (no slicing by the committed length), all T rows of logits. So the cache is
-        allocated once, here, with cache_len slots (default: the model's context), and kept.
-        Warmed up under inference_mode, as the decoders run: a graph is specialised on it."""
+        Every compiled step has a fixed shape: one sequence of T tokens, attention over the whole
+        cache under the mask (no slicing by the committed length), all T rows of logits. So the
+        cache is allocated once, here, with cache_len slots (default: the model's context) and
+        one row, and kept. Warmed up under inference_mode, as the decoders run: a graph is
+        specialised on it."""
         self.setup_cache(cache_len or self.args.max_seq_len)
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         self.compiled_step = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
         for T in sizes:
             start = time.perf_counter()
-            idx = torch.arange(T, device=self.device)
-            mask = torch.zeros(T, self.cache_len, dtype=torch.bool, device=self.device)
-            mask[idx, idx] = True
+            idx = torch.arange(T, device=self.device)[None]  # (1, T)
+            mask = torch.zeros(1, T, self.cache_len, dtype=torch.bool, device=self.device)
+            mask[0, idx[0], idx[0]] = True
             # Positions and slots as distinct tensors, as the decoders pass them: a graph guarded
             # on the two being one tensor would be compiled again at the first request.
             for _ in range(3 if mode else 1):  # CUDA graphs record on the second or third call
                 self.compiled_step(torch.zeros(1, T, dtype=torch.long, device=self.device), idx, idx.clone(), mask)
             log and log(f"compiled the {T}-token step in {time.perf_counter() - start:.1f} s")
         self.compiled_sizes = tuple(sizes)
-        self.committed = 0
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None, compile=False) -> "Transformer":

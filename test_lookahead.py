@@ -11,8 +11,8 @@ from conftest import assert_matches_reference, random_model, write_tokenizer
 from model import Transformer
 from tokenizer import Tokenizer
 from cli import main
-from lookahead import (NGramPool, Sampling, StepCosts, Tree, greedy_decode, lookahead_decode, sample_decode,
-                       step_inputs)
+from lookahead import (NGramPool, Sampling, StepCosts, Tree, greedy_decode, greedy_decode_batch, lookahead_decode,
+                       lookahead_decode_batch, sample_decode, step_inputs)
 from model import step_size
 
 
@@ -112,14 +112,15 @@ def test_step_mask_is_the_trajectory_tree(W, L, chains):
     window = [[10 + level * W + j for j in range(W)] for level in range(L)]
     T = len(tree) + W * L
     size = step_size(T) * 2  # padded further than needed: the padding must stay out of every real row
-    seq, positions, block, rows = step_inputs(tree, window, W, size, C=100, dev="cpu")
+    seq, offsets, block, rows = step_inputs(tree, window, W, size)
+    block = block.bool()
     want_mask, want_depth = trajectory_mask(tree, W, L)
     assert torch.equal(block[:T, :T], want_mask)
     assert not block[:T, T:].any() and torch.equal(block[T:, T:], torch.eye(size - T, dtype=torch.bool))
-    assert torch.equal(positions[:T], 100 + want_depth)
-    assert seq[0, :T].tolist() == tree.tokens + [t for level in window for t in level]
+    assert torch.equal(offsets[:T], want_depth)  # positions after `last`'s
+    assert seq[:T].tolist() == tree.tokens + [t for level in window for t in level]
     newest = list(range(len(tree) + (L - 1) * W, T)) if L else []
-    assert rows.tolist() == list(range(len(tree))) + newest  # every tree node, then the newest level
+    assert rows == list(range(len(tree))) + newest  # every tree node, then the newest level
 
 
 def test_pool_cap_lru_and_refresh():
@@ -183,11 +184,9 @@ def test_rollback_leaves_the_cache_of_a_greedy_run():
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     got = lookahead_decode(model, prompt, 40, window=4, ngram=4, guesses=4)
     assert max(got.accepted) > 1  # the rollback kept candidate K/V, not only window-free steps
-    committed = model.committed
-    assert committed == len(prompt) + len(got.tokens) - 1
+    committed = len(prompt) + len(got.tokens) - 1  # the last token's K/V is never needed
     ours = model.kv()[..., :committed, :].clone()  # every layer's K and V
     assert greedy_decode(model, prompt, 40).tokens == got.tokens
-    assert model.committed == committed
     torch.testing.assert_close(ours, model.kv()[..., :committed, :], rtol=0, atol=1e-12)
 
 
@@ -298,15 +297,15 @@ def test_the_dynamic_step_verifies_the_likeliest_guesses():
     closed = [c for c in combinations(range(1, len(tree)), 3) if all(tree.parent[i] in c + (0,) for i in c)]
     best = max(closed, key=lambda c: sum(value[i] for i in c))
     assert best != max(closed, key=lambda c: sum(chance[i] for i in c))  # the Jacobi value matters here
-    kept, w, shape = choose_shape(tree, acceptance, StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 9.0}), 1, 0, 128)
+    [(kept, w, shape)] = choose_shape([(tree, acceptance, 1, 0)], StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 9.0}), 128)
     assert w == 0 and shape.size == 4 and shape.guesses == 3
     assert sorted(kept.path(i) for i in range(1, len(kept))) == sorted(tree.path(i) for i in best)
     assert shape.expected == pytest.approx(1 + sum(value[i] for i in best))
     # Where every step costs the same the whole trie goes in, and the window too.
-    kept, w, shape = choose_shape(tree, acceptance, StepCosts.flat(), 2, 16, 128)
+    [(kept, w, shape)] = choose_shape([(tree, acceptance, 2, 16)], StepCosts.flat(), 128)
     assert len(kept) == len(tree) and w == 16 and shape.size == 64
     # Where guesses cost more than they can win, the step is `last` alone.
-    kept, w, shape = choose_shape(tree, acceptance, StepCosts({1: 1.0, 2: 3.0, 4: 5.0}), 1, 16, 128)
+    [(kept, w, shape)] = choose_shape([(tree, acceptance, 1, 16)], StepCosts({1: 1.0, 2: 3.0, 4: 5.0}), 128)
     assert len(kept) == 1 and w == 0 and shape.size == 1
 
 
@@ -487,6 +486,100 @@ def test_bad_sampling_options(options, message):
         sample_decode(model, [1, 2], 5, **{"temperature": 1.0, **options})
 
 
+# --- batches ---------------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**16), vocab=st.integers(8, 24), N=st.integers(2, 5), max_new=st.integers(1, 40),
+       context=st.sampled_from([48, 256]), data=st.data())
+def test_every_row_of_a_batch_is_its_own_greedy_decoding(seed, vocab, N, max_new, context, data):
+    """Rows of different lengths, stop ids, fixed shapes and the dynamic one (measured, flat and
+    adversarial costs): each row's tokens are its own greedy_decode's, with and without lookahead."""
+    model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=context)
+    motifs = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5), min_size=1, max_size=5))
+    prompts = [(m * 20)[:data.draw(st.integers(1, 30))] for m in motifs]
+    stop = data.draw(st.sampled_from([(), (0,), (vocab - 1, 3)]))
+    mode = data.draw(st.sampled_from(["fixed", "measured", "flat", "adversarial"]))
+    shape = dict(window=data.draw(st.integers(0, 6)), guesses=data.draw(st.integers(0, 6))) if mode == "fixed" else {}
+    if mode == "flat":
+        shape["costs"] = StepCosts.flat()
+    elif mode == "adversarial":
+        sizes = data.draw(st.lists(st.sampled_from(SIZES), min_size=1, unique=True))
+        shape["costs"] = StepCosts({s: data.draw(st.floats(0.01, 10.0)) for s in sizes})
+    expected = [greedy_decode(model, p, max_new, stop).tokens for p in prompts]
+    assert [g.tokens for g in greedy_decode_batch(model, prompts, max_new, stop)] == expected
+    got = lookahead_decode_batch(model, prompts, max_new, ngram=N, stop_ids=stop, seed=seed, **shape)
+    assert [g.tokens for g in got] == expected
+    for g in got:
+        assert sum(g.accepted) + 1 == len(g.tokens) and len(g.shapes) == g.steps
+
+
+def test_a_batch_runs_one_forward_per_step_and_drops_finished_rows(monkeypatch):
+    # Three rows, one of which stops after 3 tokens: every step is one forward of all unfinished
+    # rows, so the forwards after the prefills are as many as the longest row's steps, and the
+    # short row's cache row is gone once it is done.
+    model = random_model(seed=3, vocab_size=16)
+    prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [8, 9] * 5]
+    batch_rows = []
+    forward = type(model).forward
+
+    def counting(self, tokens, *args, **kwargs):
+        batch_rows.append(tokens.shape[0])
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    short = greedy_decode(model, prompts[1], 3).tokens
+    batch_rows.clear()
+    gens = lookahead_decode_batch(model, prompts, 30, window=2, guesses=2, stop_ids=(short[-1],))
+    assert len(gens[1].tokens) <= 3
+    steps = batch_rows[len(prompts):]  # after one prefill per prompt
+    assert len(steps) == max(g.steps for g in gens)
+    assert steps[0] == 3 and steps[-1] < 3 and steps == sorted(steps, reverse=True)
+
+
+def test_rows_never_see_each_other():
+    # Sampled with a fixed shape, row b draws exactly what lookahead_decode draws alone with seed
+    # + b, whatever the other rows hold; a different neighbour changes nothing.
+    model, prompt, _ = sampling_case()
+    other = [3, 1, 4, 1, 5, 7, 2, 6]
+    options = dict(window=2, ngram=3, guesses=2, seed=7, temperature=0.9)
+    alone = [lookahead_decode(model, p, 20, **{**options, "seed": 7 + b}).tokens for b, p in enumerate([prompt, other])]
+    together = lookahead_decode_batch(model, [prompt, other], 20, **options)
+    assert [g.tokens for g in together] == alone
+    neighbour = lookahead_decode_batch(model, [prompt, [7, 7, 7]], 20, **options)
+    assert neighbour[0].tokens == alone[0]
+    # Greedy with the dynamic shape: the neighbour changes the step's size, never the tokens.
+    want = greedy_decode(model, prompt, 30).tokens
+    for second in ([5], other, prompt[::-1] * 3):
+        assert lookahead_decode_batch(model, [prompt, second], 30)[0].tokens == want
+
+
+def test_batched_sampling_keeps_each_rows_distribution():
+    model, prompt, sampling = sampling_case()
+    second = prompt[2:6]
+    dists = [exact_joint(model, p, 4, sampling) for p in (prompt, second)]
+    samples = [[], []]
+    for seed in range(0, 3000, 2):  # row b uses seed + b: every draw has seeds of its own
+        gens = lookahead_decode_batch(model, [prompt, second], 4, seed=seed, temperature=sampling.temperature,
+                                      top_p=sampling.top_p, costs=StepCosts.flat())
+        for b, g in enumerate(gens):
+            samples[b].append(tuple(g.tokens))
+    for row, dist in zip(samples, dists):
+        stat, critical = chi_square_excess(row, dist)
+        assert stat < critical, (stat, critical)
+
+
+@pytest.mark.parametrize("prompts,message", [
+    ([], "no prompts"), ([[1, 2], []], r"empty \(prompt 2 of 2\)"), ([[1], [1] * 256], r"context is 256 \(prompt 2"),
+    ([[1], [40]], r"\[0, 32\) \(prompt 2"),
+])
+def test_bad_batches_fail_before_any_work(prompts, message, monkeypatch):
+    model = random_model()
+    monkeypatch.setattr(type(model), "forward", lambda *a, **k: pytest.fail("a forward ran"))
+    for decode in (lookahead_decode_batch, greedy_decode_batch):
+        with pytest.raises(ValueError, match=message):
+            decode(model, prompts, 5)
+
+
 # --- tokenizers with several stop ids and a BOS in the chat template ---------------------------
 
 def test_llama3_style_bos_is_not_doubled(tiny_checkpoint):
@@ -558,6 +651,7 @@ def test_cli_sampling(tiny_checkpoint, capsys):
 @pytest.mark.parametrize("case", [
     "missing_folder", "no_config", "no_weights", "model_type", "pickle_only", "empty_prompt", "long_prompt",
     "window", "ngram", "guesses", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
+    "batch_bad_json", "batch_empty", "batch_and_prompt", "batch_trace", "batch_long_prompt",
 ])
 def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsys, case):
     ckpt = str(tiny_checkpoint)
@@ -595,10 +689,32 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
     elif case == "no_template":
         (tiny_checkpoint / "tokenizer_config.json").write_text("{}")
         argv += ["--chat"]
+    elif case.startswith("batch"):
+        batch = tmp_path / "prompts.txt"
+        batch.write_text({"batch_bad_json": 'w7 w8\n{"text": "w9"}\n', "batch_empty": "\n  \n",
+                          "batch_long_prompt": "w7\n" + "w8 " * 80 + "\n"}.get(case, "w7 w8\n"))
+        argv = ["--model", ckpt, "--batch", str(batch)] + {"batch_and_prompt": ["--prompt", "w7"],
+                                                          "batch_trace": ["--trace"]}.get(case, [])
     code, out, err = run_cli(capsys, *argv)
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
+
+
+def test_cli_batch_prints_every_prompt_in_order(tiny_checkpoint, tmp_path, capsys):
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text('w7 w8 w9 w7 w8\n\n{"prompt": "w9 w9"}\nw8 w7 w8 w7 w8 w7\n')
+    code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--batch", str(batch), "--max-new-tokens", "12",
+                             "--compare")
+    assert code == 0, err
+    assert "identical to greedy: 3 of 3 rows" in err
+    tok = Tokenizer.from_pretrained(tiny_checkpoint)
+    model = Transformer.from_pretrained(tiny_checkpoint, "cpu")
+    blocks = out.split("=== ")[1:]
+    assert [b.split(":", 1)[0] for b in blocks] == ["1/3", "2/3", "3/3"]
+    for block, prompt in zip(blocks, ["w7 w8 w9 w7 w8", "w9 w9", "w8 w7 w8 w7 w8 w7"]):
+        want = greedy_decode(model, tok.encode(prompt), 12, tok.stop_ids).tokens
+        assert tok.decode([t for t in want if t not in tok.stop_ids]) in block and "tokens/step" in block
 
 
 def test_cli_ctrl_c_stops_cleanly(tiny_checkpoint, capsys, monkeypatch):
