@@ -241,15 +241,12 @@ class NGramPool:
         if before is not None:
             entries[rest][0].add(before)
 
-    def get(self, key, before=None) -> list[tuple]:
-        """The continuations of `key` (the n-grams without their first token): first those seen
-        after `before`, the token before `key` now, then the rest; most recent first in each.
-        Two tokens of context pick better than one when there are more n-grams than guesses to
-        verify (measured: the summary prompt commits 3.2 tokens per step at 1,4,1 instead of 2.1)."""
-        return [rest for rest, _, _ in self.ranked(key, before)]
-
     def ranked(self, key, before=None) -> list[tuple]:
-        """get's order, each as (rest, seen after `before`?, from the window?)."""
+        """The continuations of `key` (the n-grams without their first token), as (rest, seen
+        after `before`?, from the window?): first those seen after `before`, the token before
+        `key` now, then the rest; most recent first in each. Two tokens of context pick better
+        than one when there are more n-grams than guesses to verify (measured: the summary prompt
+        commits 3.2 tokens per step at 1,4,1 instead of 2.1)."""
         entries = [(rest, before in seen, win) for rest, (seen, win) in reversed(self.by_key.get(key, {}).items())]
         return [e for e in entries if e[1]] + [e for e in entries if not e[1]]
 
@@ -322,20 +319,6 @@ class Tree:
                 kept.append(tok)
             out.add(kept, kind, from_window)
         return out
-
-    def path(self, node) -> list[int]:
-        """The tokens from `last` (excluded) down to node."""
-        out = []
-        while node > 0:
-            out.append(self.tokens[node])
-            node = self.parent[node]
-        return out[::-1]
-
-    def node(self, tokens) -> int:
-        v = 0
-        for tok in tokens:
-            v = self.children[v][tok]
-        return v
 
     def first_chain(self, node) -> list[int]:
         """Node, its first child, that one's first child, ...: the best-ranked candidate's rest."""

@@ -123,20 +123,33 @@ def test_step_mask_is_the_trajectory_tree(W, L, chains):
     assert rows == list(range(len(tree))) + newest  # every tree node, then the newest level
 
 
+def continuations(pool, key, before=None):
+    return [rest for rest, *_ in pool.ranked(key, before)]
+
+
+def path(tree, node):
+    """The tokens from `last` (excluded) down to node."""
+    out = []
+    while node > 0:
+        out.append(tree.tokens[node])
+        node = tree.parent[node]
+    return out[::-1]
+
+
 def test_pool_cap_lru_and_refresh():
     pool = NGramPool(cap=2)
     pool.add([1, 2, 3])
     pool.add([1, 4, 5])
     pool.add([9, 9, 9])
-    assert pool.get(1) == [(4, 5), (2, 3)]  # most recent first
+    assert continuations(pool, 1) == [(4, 5), (2, 3)]  # most recent first
     pool.add([1, 2, 3])  # refreshed, not duplicated
-    assert pool.get(1) == [(2, 3), (4, 5)]
+    assert continuations(pool, 1) == [(2, 3), (4, 5)]
     pool.add([1, 6, 7])  # over the cap: the least recently seen, (4, 5), goes
-    assert pool.get(1) == [(6, 7), (2, 3)]
-    assert pool.get(9) == [(9, 9)] and pool.get(5) == []
+    assert continuations(pool, 1) == [(6, 7), (2, 3)]
+    assert continuations(pool, 9) == [(9, 9)] and continuations(pool, 5) == []
     empty = NGramPool(cap=0)
     empty.add([1, 2])
-    assert empty.get(1) == []
+    assert continuations(empty, 1) == []
 
 
 def test_pool_ranks_ngrams_seen_after_the_same_token_first():
@@ -144,12 +157,12 @@ def test_pool_ranks_ngrams_seen_after_the_same_token_first():
     pool.add([1, 2, 3], before=7)
     pool.add([1, 4, 5], before=8)
     pool.add([1, 6, 7])  # before unknown (a window column 0, the prompt's start)
-    assert pool.get(1) == [(6, 7), (4, 5), (2, 3)]  # no context: most recent first
-    assert pool.get(1, before=7) == [(2, 3), (6, 7), (4, 5)]
-    assert pool.get(1, before=8) == [(4, 5), (6, 7), (2, 3)]
+    assert continuations(pool, 1) == [(6, 7), (4, 5), (2, 3)]  # no context: most recent first
+    assert continuations(pool, 1, before=7) == [(2, 3), (6, 7), (4, 5)]
+    assert continuations(pool, 1, before=8) == [(4, 5), (6, 7), (2, 3)]
     pool.add([1, 2, 3], before=8)  # seen after 8 as well now, and most recent
-    assert pool.get(1, before=8) == [(2, 3), (4, 5), (6, 7)]
-    assert pool.get(1, before=7) == [(2, 3), (6, 7), (4, 5)]
+    assert continuations(pool, 1, before=8) == [(2, 3), (4, 5), (6, 7)]
+    assert continuations(pool, 1, before=7) == [(2, 3), (6, 7), (4, 5)]
 
 
 def test_the_one_guess_is_the_ngram_seen_after_the_same_token():
@@ -290,7 +303,7 @@ def test_the_dynamic_step_verifies_the_likeliest_guesses():
     for i in range(1, len(tree)):
         chance[i] = chance[tree.parent[i]] * acceptance.p(acceptance.key(tree, i))
     value = chance[:]
-    five, six = tree.node([5]), tree.node([5, 6])
+    five, six = tree.children[0][5], tree.children[tree.children[0][5]][6]
     jacobi_1, jacobi_2 = acceptance.p(("jacobi", 1, 0)), acceptance.p(("jacobi", 2, 0))
     value[five] += (1 - chance[five]) * jacobi_1
     value[six] += (1 - chance[five]) * jacobi_1 * jacobi_2
@@ -299,7 +312,7 @@ def test_the_dynamic_step_verifies_the_likeliest_guesses():
     assert best != max(closed, key=lambda c: sum(chance[i] for i in c))  # the Jacobi value matters here
     [(kept, w, shape)] = choose_shape([(tree, acceptance, 1, 0)], StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 9.0}), 128)
     assert w == 0 and shape.size == 4 and shape.guesses == 3
-    assert sorted(kept.path(i) for i in range(1, len(kept))) == sorted(tree.path(i) for i in best)
+    assert sorted(path(kept, i) for i in range(1, len(kept))) == sorted(path(tree, i) for i in best)
     assert shape.expected == pytest.approx(1 + sum(value[i] for i in best))
     # Where every step costs the same the whole trie goes in, and the window too.
     [(kept, w, shape)] = choose_shape([(tree, acceptance, 2, 16)], StepCosts.flat(), 128)
@@ -781,3 +794,24 @@ def test_bench_reports_a_wrong_decoder(tiny_checkpoint, tmp_path, capsys, monkey
     assert code == 1
     table = capsys.readouterr().out
     assert any(line.strip().startswith("2,3,2") and line.endswith("NO") for line in table.split("\n")), table
+
+
+def test_bench_batch_compares_one_by_one_with_batches(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    import bench
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{p}", "chat": false}}\n' for p in ("w7 w8 w9 w7", "w9", "w8 w8 w7")))
+    argv = ["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--configs", "dynamic", "2,3,2",
+            "--max-new-tokens", "10", "--repeats", "1", "--batch", "2"]
+    assert bench.main(argv) == 0
+    table = capsys.readouterr().out
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
+    assert [r[0] for r in rows] == ["greedy", "dynamic", "2,3,2"] and all(r[-1] == "yes" for r in rows), table
+
+    def drop_last_row(model, prompts, *args, **kwargs):  # a batch that loses a row's last token
+        gens = lookahead_decode_batch(model, prompts, *args, **kwargs)
+        gens[-1].tokens = gens[-1].tokens[:-1]
+        return gens
+
+    monkeypatch.setattr(bench, "lookahead_decode_batch", drop_last_row)
+    assert bench.main(argv) == 1
+    assert "NO" in capsys.readouterr().out
