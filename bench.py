@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 
 from cli import DEFAULT_MODEL, DTYPES, resolve_model
-from lookahead import StepCosts, greedy_decode, greedy_decode_batch, lookahead_decode, lookahead_decode_batch
+from decoding import greedy_decode, greedy_decode_batch
+from lookahead import lookahead_decode, lookahead_decode_batch
+from shape import StepCosts
 from model import STEP_SIZES, Transformer
 from tokenizer import Tokenizer
 

@@ -14,8 +14,8 @@ from collections import Counter
 
 import torch
 
-from lookahead import (Generation, Sampling, greedy_decode, greedy_decode_batch, lookahead_decode,
-                       lookahead_decode_batch, sample_decode)
+from decoding import Generation, Sampling, greedy_decode, greedy_decode_batch, sample_decode
+from lookahead import lookahead_decode, lookahead_decode_batch
 from model import Transformer
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

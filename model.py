@@ -263,17 +263,23 @@ class Transformer(nn.Module):
         to inspect the cache."""
         return torch.stack([torch.stack((l.self_attn.k_cache, l.self_attn.v_cache)) for l in self.layers])
 
-    def commit(self, src: torch.Tensor, dst: torch.Tensor):
-        """Move the K/V of accepted tokens: row b's slots src[b] to dst[b], (B, n) each.
+    def commit(self, moves: list[list[int]]):
+        """Row b's accepted tokens have their K/V in slots moves[b], in order: move them to follow
+        one another from slot moves[b][0], in one gather and scatter per layer for all rows.
 
-        A step writes all its tokens' K/V after a row's committed slots; the accepted ones move
-        down to follow them. Whatever else the step wrote stays behind the committed length and
-        is overwritten by the next step: that is the rollback."""
-        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        A step writes all its tokens' K/V after a row's committed slots; whatever it wrote and
+        did not keep stays past the new committed length, overwritten by the next step: that is
+        the rollback. Rows with fewer moves repeat their last one (a no-op)."""
+        if all(m == list(range(m[0], m[0] + len(m))) for m in moves):
+            return  # already in place
+        n = max(map(len, moves))
+        src = [m + m[-1:] * (n - len(m)) for m in moves]
+        dst = [list(range(m[0], m[0] + len(m))) + [m[0] + len(m) - 1] * (n - len(m)) for m in moves]
+        src, dst = torch.tensor([src, dst], device=self.device)  # (B, n) each
+        rows = torch.arange(len(moves), device=self.device)[:, None]
         for layer in self.layers:
             for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
-                # Gathered first, then written: overlapping src and dst are safe.
-                cache[rows, :, dst] = cache[rows, :, src]
+                cache[rows, :, dst] = cache[rows, :, src]  # gathered first, then written: overlaps are safe
 
     def rope(self, positions):
         """cos and sin for RoPE at these positions (T,) or (B, T): (T, 1, head_dim) or (B, T, 1,

@@ -11,12 +11,27 @@ from conftest import assert_matches_reference, random_model, write_tokenizer
 from model import Transformer
 from tokenizer import Tokenizer
 from cli import main
-from lookahead import (NGramPool, Sampling, StepCosts, Tree, greedy_decode, greedy_decode_batch, lookahead_decode,
-                       lookahead_decode_batch, sample_decode, step_inputs)
+from decoding import Sampling, greedy_decode, greedy_decode_batch, sample_decode
+from lookahead import NGramPool, Tree, lookahead_decode, lookahead_decode_batch, step_inputs
+from shape import Acceptance, StepCosts, choose_shape
 from model import step_size
 
 
 SIZES = [1 << i for i in range(8)]  # the step sizes of the dynamic shape's menu
+
+
+def draw_shape(data, most):
+    """A fixed shape (W, G up to `most`) or the dynamic one under a measured, flat (every size
+    free) or adversarial cost model (random costs, sizes left out, large steps cheaper)."""
+    mode = data.draw(st.sampled_from(["fixed", "measured", "flat", "adversarial"]))
+    if mode == "fixed":
+        return mode, dict(window=data.draw(st.integers(0, most)), guesses=data.draw(st.integers(0, most)))
+    if mode == "flat":
+        return mode, dict(costs=StepCosts.flat())
+    if mode == "adversarial":
+        sizes = data.draw(st.lists(st.sampled_from(SIZES), min_size=1, unique=True))
+        return mode, dict(costs=StepCosts({s: data.draw(st.floats(0.01, 10.0)) for s in sizes}))
+    return mode, {}
 
 
 def test_lookahead_equals_greedy():
@@ -39,13 +54,7 @@ def test_lookahead_equals_greedy():
         motif = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6))
         prompt = (motif * 20)[:data.draw(st.integers(1, 30))]
         stop = data.draw(st.sampled_from([(), (0,), (vocab - 1, 3)]))
-        mode = data.draw(st.sampled_from(["fixed", "measured", "flat", "adversarial"]))
-        shape = dict(window=data.draw(st.integers(0, 8)), guesses=data.draw(st.integers(0, 8))) if mode == "fixed" else {}
-        if mode == "flat":
-            shape["costs"] = StepCosts.flat()
-        elif mode == "adversarial":
-            sizes = data.draw(st.lists(st.sampled_from(SIZES), min_size=1, unique=True))
-            shape["costs"] = StepCosts({s: data.draw(st.floats(0.01, 10.0)) for s in sizes})
+        mode, shape = draw_shape(data, 8)
         expected = greedy_decode(model, prompt, max_new, stop).tokens
         steps = []
         got = lookahead_decode(model, prompt, max_new, ngram=N, stop_ids=stop, seed=seed, jacobi_guess=jacobi_guess,
@@ -289,7 +298,6 @@ def test_the_dynamic_step_verifies_the_likeliest_guesses():
     # trie); the best-ranked candidate's also carry the chance that the Jacobi guess they leave
     # when rejected is accepted next step.
     from itertools import combinations
-    from lookahead import Acceptance, choose_shape
     tree = Tree(last=0)
     for chain, kind in [((5, 6), "context"), ((1, 2, 3), "pool"), ((1, 2, 4), "pool"), ((7, 8, 9), "jacobi")]:
         tree.add(chain, kind)
@@ -334,7 +342,6 @@ def test_the_dynamic_shape_goes_wide_where_steps_are_free_and_narrow_where_they_
 
 
 def test_acceptance_learns_from_what_was_accepted():
-    from lookahead import Acceptance
     acceptance = Acceptance()
     tree = Tree(last=0)
     tree.add((1, 2), "pool")
@@ -511,13 +518,7 @@ def test_every_row_of_a_batch_is_its_own_greedy_decoding(seed, vocab, N, max_new
     motifs = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5), min_size=1, max_size=5))
     prompts = [(m * 20)[:data.draw(st.integers(1, 30))] for m in motifs]
     stop = data.draw(st.sampled_from([(), (0,), (vocab - 1, 3)]))
-    mode = data.draw(st.sampled_from(["fixed", "measured", "flat", "adversarial"]))
-    shape = dict(window=data.draw(st.integers(0, 6)), guesses=data.draw(st.integers(0, 6))) if mode == "fixed" else {}
-    if mode == "flat":
-        shape["costs"] = StepCosts.flat()
-    elif mode == "adversarial":
-        sizes = data.draw(st.lists(st.sampled_from(SIZES), min_size=1, unique=True))
-        shape["costs"] = StepCosts({s: data.draw(st.floats(0.01, 10.0)) for s in sizes})
+    _, shape = draw_shape(data, 6)
     expected = [greedy_decode(model, p, max_new, stop).tokens for p in prompts]
     assert [g.tokens for g in greedy_decode_batch(model, prompts, max_new, stop)] == expected
     got = lookahead_decode_batch(model, prompts, max_new, ngram=N, stop_ids=stop, seed=seed, **shape)

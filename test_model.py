@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import assert_matches_reference, hf_config, random_model, tiny_args, write_checkpoint
-from lookahead import greedy_decode
+from decoding import greedy_decode
 from model import Linear, ModelArgs, Transformer, rope_inv_freq
 from tokenizer import TextStream, Tokenizer
 
@@ -94,7 +94,8 @@ def tree_step(model, prefix_len):
     depth = []
     for p in parents:
         depth.append(0 if p < 0 else depth[p] + 1)
-    slots = prefix_len + torch.randperm(len(parents) + 4)[:len(parents)]  # gaps and any order
+    # The first token in the first free slot, as a decoder puts `last`; the others with gaps, in any order.
+    slots = prefix_len + torch.cat((torch.zeros(1, dtype=torch.long), 1 + torch.randperm(len(parents) + 3)[:len(parents) - 1]))
     mask = torch.zeros(len(parents), prefix_len + len(parents) + 4, dtype=torch.bool)
     mask[:, :prefix_len] = True
     for i in range(len(parents)):
@@ -150,7 +151,7 @@ def test_commit_copies_slots_like_a_fresh_run():
     prefix = cached_prefix(model, 5, 40)
     tokens, parents, slots, _ = tree_step(model, 5)
     keep = ancestry(parents, 7)  # the path 0 -> 5 -> 6 -> 7 wins
-    model.commit(slots[keep][None], torch.arange(5, 5 + len(keep))[None])
+    model.commit([slots[keep].tolist()])  # to slots 5, 6, ... in the path's order
 
     fresh = random_model(seed=3)
     fresh.setup_cache(40)
@@ -180,7 +181,7 @@ def test_rms_norm_of_a_float64_model_stays_float64():
 def test_the_prefill_builds_no_mask_and_matches_masked_steps(monkeypatch):
     # A prompt's prefill is causal through SDPA's own kernels: no (P, P) mask is ever built, and
     # its cache and logits are those of running the prompt through the masked path.
-    from lookahead import prefill
+    from decoding import prefill
     model = random_model(seed=6)
     prompt = [int(t) for t in torch.randint(0, model.args.vocab_size, (40,), generator=torch.Generator().manual_seed(0))]
     model.setup_cache(64)
@@ -296,7 +297,9 @@ def compiled_pair():
 @needs_compiler
 def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(compiled_pair):
     from torch._dynamo.utils import counters
-    from lookahead import StepCosts, greedy_decode, lookahead_decode, sample_decode
+    from decoding import sample_decode
+    from lookahead import lookahead_decode
+    from shape import StepCosts
     eager, compiled = compiled_pair
     graphs = counters["stats"]["unique_graphs"]
     costs = StepCosts({1: 1.0, 2: 1.0, 4: 1.1, 8: 1.3})  # a fixed cost model: repeatable shapes

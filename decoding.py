@@ -1,0 +1,203 @@
+"""What every decoder here shares, and the baselines lookahead decoding must reproduce.
+
+A request is checked before any work (check_requests), the prompts are prefilled into their
+rows of the KV cache (prefill), and a decoder returns a Generation per prompt. greedy_decode and
+sample_decode run one token per forward, for one prompt or a batch (one_by_one): the output and
+the distribution that lookahead.py must give, token for token.
+"""
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from model import Transformer
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # the new ids; a stop id, when generated, is the last one
+    steps: int  # forward passes after the prefill
+    seconds: float  # wall time, prefill included
+    accepted: list[int] = field(default_factory=list)  # tokens committed by each step
+    shapes: list = field(default_factory=list)  # lookahead: each step's Shape
+    prefill_seconds: float = 0.0  # of `seconds`: the prompt's forward and the first token
+
+    @property
+    def tokens_per_step(self) -> float:
+        """The compression ratio: 1.0 for greedy, up to N for lookahead."""
+        return sum(self.accepted) / self.steps if self.steps else 1.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """The tokens after the first, per second of decoding (the prefill left out)."""
+        decode = self.seconds - self.prefill_seconds
+        return (len(self.tokens) - 1) / decode if decode > 0 else 0.0
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        """How many steps committed 1, 2, ... tokens."""
+        return dict(sorted(Counter(self.accepted).items()))
+
+
+def check_requests(model: Transformer, prompts, max_new_tokens: int) -> list[int]:
+    """Validate a batch of requests before any work; return how many tokens each may generate
+    (the context bounds it)."""
+    context = model.args.max_seq_len
+    if not prompts:
+        raise ValueError("no prompts given")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    for i, prompt_ids in enumerate(prompts):
+        which = f" (prompt {i + 1} of {len(prompts)})" if len(prompts) > 1 else ""
+        if not prompt_ids:
+            raise ValueError(f"the prompt is empty{which}")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= model.args.vocab_size:
+            raise ValueError(f"prompt ids must lie in [0, {model.args.vocab_size}){which}")
+        if len(prompt_ids) >= context:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}{which}")
+    if len(prompts) > 1 and model.compiled_step is not None:
+        raise ValueError("a compiled model decodes one sequence at a time; load it without compile for a batch")
+    # The last generated token never needs a K/V slot, so m tokens need len(prompt) + m - 1.
+    return [min(max_new_tokens, context - len(p)) for p in prompts]
+
+
+def ensure_cache(model: Transformer, needed: int, rows: int):
+    """Reuse the model's KV cache when it has the rows and is long enough; else allocate once,
+    with headroom for longer requests."""
+    if model.cache_len < needed or model.cache_rows != rows:
+        grown = 2 * model.cache_len if model.cache_rows == rows else 0
+        model.setup_cache(min(model.args.max_seq_len, max(needed, grown, 256)), rows)
+
+
+def prefill(model: Transformer, prompts) -> torch.Tensor:
+    """Run each prompt through the model, prompt b filling slots [0, P_b) of cache row b; return
+    the logits (B, V) that predict each first new token. Causal without a mask (model.forward),
+    so a long prompt costs memory linear in its length; one prompt at a time, so that prompts
+    of different lengths cost the sum of their lengths, not B times the longest."""
+    logits = []
+    for b, prompt_ids in enumerate(prompts):
+        P = len(prompt_ids)
+        idx = torch.arange(P, device=model.device)
+        tokens = torch.tensor([prompt_ids], device=model.device)  # (1, P)
+        logits.append(model(tokens, idx, idx, rows=idx[-1:], cache_row=b)[:, -1])
+    return torch.cat(logits)  # (B, V)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Temperature, top-k (0 = off) and top-p (1 = off). Temperature 0 or top_k 1 is greedy."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k, top-p."""
+        logits = logits.float() / self.temperature
+        if self.top_k:
+            kth = logits.topk(min(self.top_k, logits.shape[-1])).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1:
+            # Keep the most likely tokens until their mass reaches top_p (the one crossing it too).
+            sorted_logits, order = logits.sort(-1, descending=True)
+            p = sorted_logits.softmax(-1)
+            drop = p.cumsum(-1) - p >= self.top_p
+            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        return logits.softmax(-1)
+
+    def pick(self, logits: torch.Tensor, generators) -> torch.Tensor:
+        """(B, V) logits -> (B, 1) tokens: the argmax when greedy, else a draw from probs with
+        row b's own generator."""
+        if self.greedy:
+            return logits.argmax(-1, keepdim=True)
+        probs = self.probs(logits)
+        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])[:, None]
+
+
+GREEDY = Sampling(temperature=0)
+
+
+def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, seed=0) -> list[Generation]:
+    """Prefill, then one token per forward for each row, reusing the cache. Row b's last token
+    sits at slot and position C[b]; every step runs every unfinished row's last token."""
+    start = time.perf_counter()
+    limits = check_requests(model, prompts, max_new_tokens)
+    ensure_cache(model, max(len(p) + m - 1 for p, m in zip(prompts, limits)), len(prompts))
+    stop, dev = set(stop_ids), model.device
+    gens = [torch.Generator(dev).manual_seed(seed + b) for b in range(len(prompts))]
+
+    next_tokens = sampling.pick(prefill(model, prompts), gens)  # (B, 1): stays on the device as the input
+    tokens = [[t] for t in next_tokens[:, 0].tolist()]
+    out = [Generation(t, 0, 0.0, prefill_seconds=time.perf_counter() - start) for t in tokens]
+    C = torch.tensor([[len(p)] for p in prompts], device=dev)  # (B, 1)
+    lengths = [len(p) for p in prompts]  # C on the host, for the mask's width
+    active = list(range(len(prompts)))  # the rows still decoding, in the cache's row order
+    for b in active:
+        on_tokens and on_tokens(b, tokens[b])
+    while True:
+        keep = [j for j, b in enumerate(active) if len(tokens[b]) < limits[b] and tokens[b][-1] not in stop]
+        for j in set(range(len(active))) - set(keep):
+            out[active[j]].seconds = time.perf_counter() - start
+        if len(keep) < len(active):  # finished rows leave the batch (and the cache)
+            if not keep:
+                return out
+            active, C, next_tokens = [active[j] for j in keep], C[keep], next_tokens[keep]
+            model.keep_rows(keep, max(lengths) + 1)
+        S = mask_width(model, max(lengths[b] for b in active) + 1)
+        mask = (torch.arange(S, device=dev) <= C)[:, None]  # (B, 1, S): the committed slots and its own
+        logits = model.step(next_tokens, C, C, mask)  # (B, 1, V)
+        next_tokens = sampling.pick(logits[:, -1], [gens[b] for b in active])
+        C = C + 1
+        for b, t in zip(active, next_tokens[:, 0].tolist()):  # the one host sync per step
+            tokens[b].append(t)
+            lengths[b] += 1
+            out[b].steps += 1
+            out[b].accepted.append(1)
+            on_tokens and on_tokens(b, [t])
+
+
+def mask_width(model: Transformer, end: int) -> int:
+    """How much of the cache a step attends over: up to its last slot, or (compiled, a fixed
+    shape) the whole cache."""
+    return model.cache_len if model.compiled_step is not None else end
+
+
+def per_row(on_tokens):
+    """A single sequence's on_tokens(ids) as a batch's on_tokens(row, ids)."""
+    return on_tokens and (lambda _, ids: on_tokens(ids))
+
+
+@torch.inference_mode()
+def greedy_decode(model, prompt_ids, max_new_tokens, stop_ids=(), on_tokens=None) -> Generation:
+    """The baseline: one token per forward. Lookahead must reproduce it token for token."""
+    return one_by_one(model, [prompt_ids], max_new_tokens, stop_ids, per_row(on_tokens), GREEDY)[0]
+
+
+@torch.inference_mode()
+def greedy_decode_batch(model, prompts, max_new_tokens, stop_ids=(), on_tokens=None) -> list[Generation]:
+    """greedy_decode for several prompts in one forward per step; on_tokens(row, new ids)."""
+    return one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, GREEDY)
+
+
+@torch.inference_mode()
+def sample_decode(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=0,
+                  stop_ids=(), on_tokens=None) -> Generation:
+    """Plain sampling, one token per forward: the distribution lookahead sampling must keep."""
+    sampling = Sampling(temperature, top_k, top_p)
+    return one_by_one(model, [prompt_ids], max_new_tokens, stop_ids, per_row(on_tokens), sampling, seed)[0]

@@ -1,0 +1,200 @@
+"""The dynamic shape: before every step, how many guesses and window columns to run.
+
+Lookahead decoding verifies any guesses exactly; what it should guess depends on what a step
+costs on this device and on how often guesses like these were right. choose_shape maximises the
+expected committed tokens per second from two online estimates: StepCosts (seconds per step size,
+measured) and Acceptance (how often each kind of guess was right in this request). The
+guesses come as lookahead.Tree tries.
+"""
+import math
+import statistics
+import weakref
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from model import STEP_SIZES, step_size
+
+# The dynamic shape's limits: window columns, pooled n-grams per key, tokens per step.
+MAX_WINDOW, MAX_CANDIDATES, MAX_STEP = 16, 16, STEP_SIZES[-1]
+
+
+def step_limits(window, ngram, guesses):
+    """-> (dynamic?, N, W, G, the largest step size) for lookahead_decode's window, ngram and
+    guesses: both window and guesses None is the dynamic shape, up to its limits."""
+    dynamic = window is None and guesses is None
+    if not dynamic and (window is None or guesses is None):
+        raise ValueError("a fixed shape needs both window and guesses (neither: the dynamic shape)")
+    N = 5 if ngram is None else ngram
+    W, G = (MAX_WINDOW, MAX_CANDIDATES) if dynamic else (window, guesses)
+    if W < 0 or N < 2 or G < 0:
+        raise ValueError(f"need window >= 0, ngram >= 2, guesses >= 0 (got {W}, {N}, {G})")
+    size = step_size(1 + (W + G) * (N - 1))  # last, the window and every candidate's guesses
+    return dynamic, N, W, G, min(MAX_STEP, 2 * size) if dynamic else size
+
+
+class StepCosts:
+    """Seconds per step of each size of the menu (step_size), measured as the decoder runs them.
+
+    A size's estimate is the median of its last 8 steps (the least of the first 3: a shape's
+    first runs can be slow). A size run fewer than twice, or not yet, is assumed to cost what
+    the largest measured smaller size costs, times the growth seen between the two largest
+    measured sizes for each doubling (optimistic where the growth was flat, so it gets tried),
+    and only one size above the largest one measured twice is ever considered: the decoder climbs
+    the menu one rung at a time and stops where a wider step no longer pays. On a CPU it stops
+    after a rung or two; where steps are free (a GPU at small sizes) it goes wide.
+    `table` fixes the estimates instead (a cost model for tests and experiments: sizes not in
+    it are never chosen)."""
+
+    def __init__(self, table: dict[int, float] | None = None):
+        self.table = table
+        self.samples: dict[int, deque] = {}
+
+    @classmethod
+    def flat(cls, largest: int = STEP_SIZES[-1]) -> "StepCosts":
+        """Every size up to `largest` costs the same: what the policy does where steps are free."""
+        return cls({1 << i: 1.0 for i in range(largest.bit_length())})
+
+    def record(self, size: int, seconds: float):
+        if self.table is None:
+            self.samples.setdefault(size, deque(maxlen=8)).append(seconds)
+
+    def estimate(self, size: int) -> float | None:
+        """Expected seconds of a step of this size, None where it is not to be tried yet."""
+        if self.table is not None:
+            return self.table.get(size)
+        seen = self.samples.get(size, ())
+        if len(seen) >= 2:  # trusted; the first runs of a shape can be slow (allocation), so min
+            return min(seen) if len(seen) < 4 else statistics.median(seen)
+        if not self.samples:
+            return 1.0 if size <= 2 else None  # the first step: the cheapest sizes
+        trusted = [s for s, v in self.samples.items() if len(v) >= 2]
+        if size > 2 * max(trusted, default=1):
+            return None  # one rung at a time
+        below = sorted(s for s in trusted if s < size)
+        if below:  # assume the growth last seen from one size to the next goes on
+            c1 = self.estimate(below[-1])
+            growth = max(1.0, c1 / self.estimate(below[-2])) if len(below) > 1 else 1.0
+            guess = c1 * growth ** math.log2(size / below[-1])
+        else:
+            guess = min(min(v) for v in self.samples.values())
+        return min(guess, seen[0]) if seen else guess
+
+
+# Each process keeps one cost table per model, so a request starts from what earlier ones measured.
+STEP_COSTS = weakref.WeakKeyDictionary()
+
+
+class Acceptance:
+    """How often a guess was right when its parent was, in this request, per (source, depth,
+    rank among its siblings): the probability a dynamic step gives each guess. Starts from a
+    prior worth two observations: a pooled n-gram seen after the same token as now 0.5, another
+    pooled one or the Jacobi guess 0.3; each further sibling half its elder's."""
+
+    PRIOR = {"context": 0.5, "pool": 0.3, "jacobi": 0.3}
+
+    def __init__(self):
+        self.hits, self.trials = Counter(), Counter()
+        self.window_tokens = 0  # tokens committed through n-grams the window made
+        self.window_columns = 0  # window columns run, summed over steps
+
+    @staticmethod
+    def key(tree, node: int):
+        return tree.kind[node], min(tree.depth[node], 4), min(tree.rank(node), 2)
+
+    def p(self, key) -> float:
+        kind, _, rank = key
+        prior = self.PRIOR[kind] / 2 ** rank
+        return (self.hits[key] + 2 * prior) / (self.trials[key] + 2)
+
+    def record(self, tree, path: list[int], w: int):
+        """After a step: every guess whose parent was accepted was tested; those on the path hit."""
+        on_path = set(path)
+        for v in [0] + path:
+            for child in tree.children[v].values():
+                key = self.key(tree, child)
+                self.trials[key] += 1
+                self.hits[key] += child in on_path
+        self.window_tokens += sum(tree.from_window[v] for v in path)
+        self.window_columns += w
+
+    def window_yield(self) -> float:
+        """Tokens a window column is worth per step: committed through its n-grams, per column
+        run (prior: 0.02, worth 50 column-steps)."""
+        return (self.window_tokens + 1.0) / (self.window_columns + 50)
+
+
+@dataclass
+class Shape:
+    """What a step ran: window columns x levels, guesses in the trie, tokens padded to `size`,
+    and (dynamic steps) the tokens it was expected to commit and its estimated cost against the
+    cheapest step."""
+    window: int
+    levels: int
+    guesses: int
+    size: int
+    expected: float = 0.0
+    cost: float = 0.0
+
+
+def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, budget: int):
+    """What a step of each size of the menu (up to budget) is worth to one row: {size: (expected
+    tokens, n guesses, w window columns)} for the best step that fits in it, and the guesses in
+    order of value (the best n are order[:n]).
+
+    A guess is worth its chance to be accepted: the product of its ancestors' chances to be
+    right given their parents (Acceptance). The best-ranked candidate's guesses are worth more:
+    when it is rejected near its start, its rows become the next step's Jacobi guess, so each
+    also carries the chance that the guess it leaves is accepted then. A child is never worth
+    more than its parent, so the best k guesses for a budget of k are the k most valuable, and
+    a step of size T with w columns of L levels expects
+        1 + (the value of its T-1-w*L best guesses) + w * (what a window column yields)
+    tokens. Every window width is tried; what fits in a size fits, padded, in the next."""
+    chance = [1.0] * len(tree)
+    for i in range(1, len(tree)):  # parents come before children
+        chance[i] = chance[tree.parent[i]] * acceptance.p(acceptance.key(tree, i))
+    value = chance[:]
+    if tree.children[0]:  # the best-ranked candidate also leaves the next step's Jacobi guess
+        first = tree.first_chain(next(iter(tree.children[0].values())))
+        rejected, reach = 1 - chance[first[0]], 1.0
+        for depth, i in enumerate(first, 1):
+            reach *= acceptance.p(("jacobi", min(depth, 4), 0))
+            value[i] += rejected * reach
+    order = sorted(range(1, len(tree)), key=lambda i: (-value[i], tree.depth[i]))
+    prefix = [0.0]
+    for i in order:
+        prefix.append(prefix[-1] + value[i])
+    col_value = acceptance.window_yield()
+    best, size = {}, 1
+    while size <= budget:
+        here, w = best.get(size // 2, (1.0, 0, 0)), 0  # `last` alone, or a smaller step padded
+        while w <= max_window and 1 + w * levels <= size:
+            n = min(len(order), size - 1 - w * levels)
+            expected = 1 + prefix[n] + w * col_value
+            if expected > here[0]:
+                here = (expected, n, w)
+            w = 2 * w if w else 1
+        best[size] = here
+        size *= 2
+    return order, best
+
+
+def choose_shape(rows, costs: StepCosts, budget: int) -> list[tuple]:
+    """The dynamic policy: the step size T that maximises the expected committed tokens per
+    second, i.e. the sum over the batch's rows of what a step of size T is worth to each
+    (step_values), over what it costs (costs.estimate(T)); then each row's best guesses and
+    window columns within T. rows: (tree, acceptance, window levels, max window) for each.
+    Returns each row's (trie of the guesses kept, window columns, Shape)."""
+    values = [step_values(tree, acc, levels, max_window, budget) for tree, acc, levels, max_window in rows]
+    cheapest = min((c for s in (1, 2) if (c := costs.estimate(s))), default=1.0)
+    rate, T, size = 0.0, 1, 1  # `last` alone, should a cost model offer no size at all
+    while size <= budget:
+        cost = costs.estimate(size)
+        if cost is not None and sum(best[size][0] for _, best in values) / cost > rate:
+            rate, T = sum(best[size][0] for _, best in values) / cost, size
+        size *= 2
+    shapes = []
+    for (tree, _, levels, _), (order, best) in zip(rows, values):
+        expected, n, w = best[T]
+        shape = Shape(w, levels if w else 0, n, T, expected, (costs.estimate(T) or cheapest) / cheapest)
+        shapes.append((tree.keep(order[:n]), w, shape))
+    return shapes
