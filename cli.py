@@ -82,8 +82,8 @@ def parse_args(argv):
 
     if (args.prompt is not None) + (args.prompt_file is not None) + (args.batch is not None) != 1:
         ap.error("give one of --prompt, --prompt-file or --batch")
-    if args.batch is not None and (args.trace or args.show):
-        ap.error("--trace and --show follow one prompt; not with --batch")
+    if args.batch is not None and (args.trace or args.show or args.compile):
+        ap.error("--trace and --show follow one prompt, and a compiled model decodes one; not with --batch")
     if args.batch is not None and args.greedy and not (args.temperature == 0 or args.top_k == 1):
         ap.error("--batch samples with lookahead only; drop --greedy or the sampling options")
     if args.device not in (None, "cpu", "cuda") and not args.device.startswith("cuda:"):

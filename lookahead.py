@@ -247,7 +247,7 @@ class Sequence:
     choose_shape, inputs), runs one forward for all, and hands each row its logits (verify)."""
 
     def __init__(self, prompt_ids, max_new_tokens, N, W, G, dynamic, sampling, seed, stop, dev,
-                 prompt_ngrams, output_ngrams, jacobi_guess):
+                 output_ngrams, jacobi_guess):
         self.prompt, self.max_new, self.stop = list(prompt_ids), max_new_tokens, stop
         self.N, self.levels, self.W, self.G, self.dynamic = N, N - 1, W, G, dynamic
         self.sampling, self.output_ngrams, self.jacobi_guess = sampling, output_ngrams, jacobi_guess
@@ -263,9 +263,8 @@ class Sequence:
         # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies
         # (commit adds the n-grams of the committed text as it grows).
         self.pool = NGramPool(max(G, POOL_MIN_PER_KEY) if G else 0)
-        if prompt_ngrams:
-            for i in range(len(self.prompt) - N + 1):
-                self.pool.add(self.prompt[i:i + N], self.prompt[i - 1] if i else None)
+        for i in range(len(self.prompt) - N + 1):
+            self.pool.add(self.prompt[i:i + N], self.prompt[i - 1] if i else None)
         self.context = list(self.prompt)  # and the committed tokens, for output_ngrams
         self.jacobi = []  # the model's predictions left over from the last step (verify)
 
@@ -391,7 +390,7 @@ class Sequence:
 
 @torch.inference_mode()
 def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None, guesses=None, stop_ids=(),
-                     seed=0, prompt_ngrams=True, output_ngrams=True, jacobi_guess=True, on_tokens=None,
+                     seed=0, output_ngrams=True, jacobi_guess=True, on_tokens=None,
                      temperature=0.0, top_k=0, top_p=1.0, on_step=None, costs=None) -> Generation:
     """Several tokens per forward. Greedy by default, and then the tokens equal greedy_decode's;
     with temperature/top_k/top_p the tokens are distributed exactly as sample_decode's.
@@ -401,21 +400,21 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
     configurations); neither (the default), the dynamic shape: before every step choose_shape
     (shape.py) picks the guesses and window columns for the most expected tokens per second,
     from the acceptance seen and the step costs measured (StepCosts, kept per model; `costs`
-    replaces it). N defaults to 5. prompt_ngrams / output_ngrams: also pool the n-grams of the
-    prompt / of the committed text. jacobi_guess: also verify the predictions left over from the
-    step before (with a fixed shape only when the pool offers fewer than G candidates).
+    replaces it). N defaults to 5. The pool starts with the prompt's n-grams; output_ngrams:
+    also those of the committed text. jacobi_guess: also verify the predictions left over from
+    the step before (with a fixed shape only when the pool offers fewer than G candidates).
     on_tokens(new ids) as tokens are committed; on_step(dict) after each step, for --trace.
     Measured costs make the dynamic shapes, so the sampled tokens of a seed (not their
     distribution), depend on timing: a fixed shape or `costs` repeats a sampled run."""
     return lookahead_decode_batch(model, [prompt_ids], max_new_tokens, window, ngram, guesses, stop_ids, seed,
-                                  temperature, top_k, top_p, per_row(on_tokens), costs, prompt_ngrams,
+                                  temperature, top_k, top_p, per_row(on_tokens), costs,
                                   output_ngrams, jacobi_guess, on_step and (lambda _, step: on_step(step)))[0]
 
 
 @torch.inference_mode()
 def lookahead_decode_batch(model, prompts, max_new_tokens, window=None, ngram=None, guesses=None, stop_ids=(),
                            seed=0, temperature=0.0, top_k=0, top_p=1.0, on_tokens=None, costs=None,
-                           prompt_ngrams=True, output_ngrams=True, jacobi_guess=True,
+                           output_ngrams=True, jacobi_guess=True,
                            on_step=None) -> list[Generation]:
     """lookahead_decode for several prompts, one forward per step for all of them: row b is
     exactly its own lookahead_decode (seed + b), with its own window, pool, shape and rollback.
@@ -436,8 +435,8 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, window=None, ngram=No
     longest = max(len(p) + m - 1 for p, m in zip(prompts, limits))
     ensure_cache(model, min(model.args.max_seq_len, longest + step_max), len(prompts))
     dev, stop = model.device, set(stop_ids)
-    rows = [Sequence(p, m, N, W, G, dynamic, sampling, seed + b, stop, dev, prompt_ngrams, output_ngrams,
-                     jacobi_guess) for b, (p, m) in enumerate(zip(prompts, limits))]
+    rows = [Sequence(p, m, N, W, G, dynamic, sampling, seed + b, stop, dev, output_ngrams, jacobi_guess)
+            for b, (p, m) in enumerate(zip(prompts, limits))]
 
     first = sampling.pick(prefill(model, prompts), [row.gen for row in rows])[:, 0].tolist()
     for b, row in enumerate(rows):

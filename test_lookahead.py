@@ -665,7 +665,7 @@ def test_cli_sampling(tiny_checkpoint, capsys):
 @pytest.mark.parametrize("case", [
     "missing_folder", "no_config", "no_weights", "model_type", "pickle_only", "empty_prompt", "long_prompt",
     "window", "ngram", "guesses", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
-    "batch_bad_json", "batch_empty", "batch_and_prompt", "batch_trace", "batch_long_prompt",
+    "batch_bad_json", "batch_empty", "batch_and_prompt", "batch_trace", "batch_compile", "batch_long_prompt",
 ])
 def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsys, case):
     ckpt = str(tiny_checkpoint)
@@ -708,7 +708,8 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
         batch.write_text({"batch_bad_json": 'w7 w8\n{"text": "w9"}\n', "batch_empty": "\n  \n",
                           "batch_long_prompt": "w7\n" + "w8 " * 80 + "\n"}.get(case, "w7 w8\n"))
         argv = ["--model", ckpt, "--batch", str(batch)] + {"batch_and_prompt": ["--prompt", "w7"],
-                                                          "batch_trace": ["--trace"]}.get(case, [])
+                                                          "batch_trace": ["--trace"],
+                                                          "batch_compile": ["--compile"]}.get(case, [])
     code, out, err = run_cli(capsys, *argv)
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
