@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model import ModelArgs, Transformer, fused_from
+from checkpoint import fused_from
+from model import ModelArgs, Transformer
 
 SHARED = Path(__file__).resolve().parent.parent / "shared" / "models"
 REFERENCE = SHARED / "smollm2-135m-instruct" / "reference.json"

@@ -5,21 +5,19 @@ write their K/V into chosen slots of a preallocated cache, and attend under an a
 boolean mask. That is everything lookahead decoding asks of a model: the window, the
 verification candidates and the last token share one forward, each with its own context.
 
-Loads Hugging Face checkpoints (config.json + safetensors) straight onto the device.
+Transformer.from_pretrained loads Hugging Face checkpoints (config.json + safetensors) straight
+onto the device; checkpoint.py reads that format.
 """
-import json
 import math
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from checkpoint import hf_model_args, read_config, read_weights
 
 
 # The step sizes a decoder runs after the prefill: a step of n tokens is padded to the next one
@@ -52,41 +50,7 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; this loads {', '.join(SUPPORTED_MODEL_TYPES)}")
-        # Newer transformers write rope_theta and the scaling under one `rope_parameters` key.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: llama3, linear)")
-        n_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        context = cfg.get("max_position_embeddings", 2048)
-        # Mistral-style sliding windows only matter past the window: cap the context there so
-        # full attention stays exact.
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
-            context = min(context, cfg["sliding_window"])
-        return cls(
-            dim=cfg["hidden_size"],
-            n_layers=cfg["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-            hidden_dim=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            max_seq_len=context,
-            # Qwen2 always has q/k/v biases, and its config does not say so.
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
-            bos_id=cfg.get("bos_token_id"),
-            eos_ids=eos,
-        )
+        return cls(**hf_model_args(cfg))
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -138,7 +102,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        # q, k and v in one product (the checkpoint's three are stacked at load, see fused_from).
+        # q, k and v in one product (the checkpoint's three are stacked at load, see checkpoint.py).
         self.qkv_proj = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim,
                                bias=args.attention_bias)
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
@@ -205,7 +169,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     # Module names follow the Hugging Face checkpoint, less its "model." prefix, except for the
-    # stacked qkv_proj and gate_up_proj (fused_from maps those).
+    # stacked qkv_proj and gate_up_proj (checkpoint.fused_from maps those).
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -381,53 +345,14 @@ class Transformer(nn.Module):
         dtype: float32 unless given, on every device, so that lookahead's output is exactly
         greedy's; bfloat16 / float16 are faster on a GPU but round a T-token step differently
         from a 1-token one, which can flip a near-tie between the top two tokens."""
-        path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model folder not found: {path}")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json (expected a Hugging Face checkpoint folder)")
-        args = ModelArgs.from_hf_config(json.loads((path / "config.json").read_text()))
-        files = weight_files(path)
+        args = ModelArgs.from_hf_config(read_config(path))
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or torch.float32
-
         with torch.device("meta"):
             model = cls(args)
-        ours = {k: v.shape for k, v in model.state_dict().items()}
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
         if args.tie_word_embeddings:
-            del ours["lm_head.weight"]
-        expected = {}  # checkpoint name -> shape
-        for name, shape in ours.items():
-            for part, rows in fused_from(name, args):
-                expected[part] = shape if rows is None else (rows, *shape[1:])
-
-        loaded = {}
-        for file in files:
-            with safe_open(file, framework="pt", device=str(device)) as f:
-                for key in f.keys():
-                    name = key.removeprefix("model.")
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue  # a cached buffer some exports include; we compute our own
-                    if name == "lm_head.weight" and args.tie_word_embeddings:
-                        continue  # tied: the embedding is the head
-                    if name not in expected:
-                        raise ValueError(f"unexpected tensor {key!r} in {file.name}")
-                    t = f.get_tensor(key)
-                    if t.shape != expected[name]:
-                        raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
-                    try:
-                        loaded[name] = t.to(dtype)
-                    except torch.OutOfMemoryError:
-                        raise ValueError(f"the model does not fit on {device} in {str(dtype).removeprefix('torch.')}; "
-                                         "bfloat16 takes half the memory (--dtype bfloat16)") from None
-        missing = sorted(set(expected) - set(loaded))
-        if missing:
-            raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}"
-                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-        state = {}
-        for name in ours:  # popping as we stack keeps one extra copy of one group at most
-            parts = [loaded.pop(part) for part, _ in fused_from(name, args)]
-            state[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            del shapes["lm_head.weight"]  # tied: the embedding is the head
+        state = read_weights(path, args, shapes, device, dtype or torch.float32)
         model.load_state_dict(state, strict=False, assign=True)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -465,35 +390,3 @@ class Linear(nn.Linear):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], -1)
-
-
-
-def fused_from(name: str, args: ModelArgs) -> list[tuple[str, int | None]]:
-    """The checkpoint tensors, (name, rows), that our tensor `name` stacks along dim 0.
-
-    Checkpoints store q/k/v and gate/up as separate projections; we multiply each group in one
-    product (fewer, larger kernels per layer). Every other tensor maps to itself: [(name, None)].
-    """
-    q, kv, hidden = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
-    for fused, parts in (("qkv_proj", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
-                         ("gate_up_proj", (("gate_proj", hidden), ("up_proj", hidden)))):
-        if f".{fused}." in name:
-            return [(name.replace(fused, part), rows) for part, rows in parts]
-    return [(name, None)]
-
-
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        for shard in shards:
-            if not (path / shard).is_file():
-                raise FileNotFoundError(f"shard {shard} listed in {index.name} is missing from {path}")
-        return [path / s for s in shards]
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
-    pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
-    if pickles:
-        raise ValueError(f"{path} has only pickle weights ({', '.join(sorted(pickles)[:3])}); "
-                         "only safetensors are loaded, since unpickling can run arbitrary code")
-    raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json")
