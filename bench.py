@@ -100,7 +100,7 @@ def print_tables(rows, results, labels, markdown):
              f"{min(r['prompt_speedups']):.2f}x", "yes" if r["identical"] else "NO"] for r in rows]
     per_head = ["prompt"] + [f"{r['config']}: speed-up, tokens/step" for r in rows[1:]]
     per_body = [[label] + [f"{r['prompt_speedups'][i]:.2f}x, "
-                           f"{sum(results[r['config']][i][0].accepted) / max(results[r['config']][i][0].steps, 1):.2f}"
+                           f"{sum(results[r['config']][i][0].committed) / max(results[r['config']][i][0].steps, 1):.2f}"
                            for r in rows[1:]] for i, label in enumerate(labels)]
     for h, b in ((head, body), (per_head, per_body)):
         if markdown:
@@ -271,7 +271,7 @@ def main(argv=None):
         secs = statistics.median(seconds[name])
         speedups = [statistics.median(g) / statistics.median(s) for g, s in zip(per_prompt["greedy"], per_prompt[name])]
         rows.append(dict(config=name, tokens=tokens, steps=steps, prompt_speedups=speedups,
-                         tokens_per_step=sum(sum(g.accepted) for g, _ in gens) / max(steps, 1),
+                         tokens_per_step=sum(sum(g.committed) for g, _ in gens) / max(steps, 1),
                          tokens_per_s=tokens / secs, speedup=base / secs,
                          step_cost=(secs / max(steps, 1)) / (base / max(base_steps, 1)),
                          identical=all(same for _, same in gens)))

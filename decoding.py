@@ -19,14 +19,14 @@ class Generation:
     tokens: list[int]  # the new ids; a stop id, when generated, is the last one
     steps: int  # forward passes after the prefill
     seconds: float  # wall time, prefill included
-    accepted: list[int] = field(default_factory=list)  # tokens committed by each step
+    committed: list[int] = field(default_factory=list)  # tokens committed by each step
     shapes: list = field(default_factory=list)  # lookahead: each step's Shape
     prefill_seconds: float = 0.0  # of `seconds`: the prompt's forward and the first token
 
     @property
     def tokens_per_step(self) -> float:
         """The compression ratio: 1.0 for greedy, up to N for lookahead."""
-        return sum(self.accepted) / self.steps if self.steps else 1.0
+        return sum(self.committed) / self.steps if self.steps else 1.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -41,7 +41,7 @@ class Generation:
     @property
     def histogram(self) -> dict[int, int]:
         """How many steps committed 1, 2, ... tokens."""
-        return dict(sorted(Counter(self.accepted).items()))
+        return dict(sorted(Counter(self.committed).items()))
 
 
 def check_requests(model: Transformer, prompts, max_new_tokens: int) -> list[int]:
@@ -168,7 +168,7 @@ def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, se
             tokens[b].append(t)
             lengths[b] += 1
             out[b].steps += 1
-            out[b].accepted.append(1)
+            out[b].committed.append(1)
             on_tokens and on_tokens(b, [t])
 
 

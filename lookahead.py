@@ -374,7 +374,7 @@ class Sequence:
         new_tokens = self.commit([tree.tokens[v] for v in path] + [bonus])
         on_step and on_step({**trace, "committed": new_tokens})
         self.out.steps += 1
-        self.out.accepted.append(len(new_tokens))
+        self.out.committed.append(len(new_tokens))
         self.out.shapes.append(shape)
         return src
 
@@ -490,7 +490,7 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, window=None, ngram=No
         model.commit(moves)
         step_costs.record(T, time.perf_counter() - step_start)
         for b, row in zip(active, batch):
-            on_tokens and on_tokens(b, row.tokens[len(row.tokens) - row.out.accepted[-1]:])
+            on_tokens and on_tokens(b, row.tokens[len(row.tokens) - row.out.committed[-1]:])
     return [row.out for row in rows]
 
 

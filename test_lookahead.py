@@ -60,14 +60,14 @@ def test_lookahead_equals_greedy():
         got = lookahead_decode(model, prompt, max_new, ngram=N, stop_ids=stop, seed=seed, jacobi_guess=jacobi_guess,
                                on_step=steps.append, **shape)
         assert got.tokens == expected
-        assert sum(got.accepted) + 1 == len(got.tokens)
-        assert max(got.accepted, default=1) <= N
+        assert sum(got.committed) + 1 == len(got.tokens)
+        assert max(got.committed, default=1) <= N
         assert len(got.shapes) == got.steps
         for s in got.shapes:  # a step's tokens fit its padded size, and the size is on the menu
             assert 1 + s.guesses + s.window * s.levels <= s.size and s.size in SIZES + [256]
         seen["runs"] += 1
-        seen["multi"] += max(got.accepted, default=1) > 1
-        seen["full"] += max(got.accepted, default=1) == N
+        seen["multi"] += max(got.committed, default=1) > 1
+        seen["full"] += max(got.committed, default=1) == N
         seen["near_context"] += len(prompt) + max_new + 2 * 8 * (N - 1) > context
         jacobi_wins = [s for s in steps if s["jacobi"] and s["winner"] == len(s["candidates"]) - 1 and s["accepted"]]
         assert jacobi_guess or not any(s["jacobi"] for s in steps)
@@ -205,7 +205,7 @@ def test_rollback_leaves_the_cache_of_a_greedy_run():
     model = random_model(seed=7, vocab_size=8)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     got = lookahead_decode(model, prompt, 40, window=4, ngram=4, guesses=4)
-    assert max(got.accepted) > 1  # the rollback kept candidate K/V, not only window-free steps
+    assert max(got.committed) > 1  # the rollback kept candidate K/V, not only window-free steps
     committed = len(prompt) + len(got.tokens) - 1  # the last token's K/V is never needed
     ours = model.kv()[..., :committed, :].clone()  # every layer's K and V
     assert greedy_decode(model, prompt, 40).tokens == got.tokens
@@ -220,7 +220,7 @@ def test_stop_inside_an_accepted_ngram():
         prompt = [1, 2, 3, 4] + greedy_decode(model, [1, 2, 3, 4], 20).tokens
         free = lookahead_decode(model, prompt, 30, window=3, ngram=5, guesses=3)
         end = 1
-        for n in free.accepted:
+        for n in free.committed:
             inside = [i for i in range(end, end + n - 1) if free.tokens[i] not in free.tokens[:i]]
             if n >= 3 and inside:
                 stop = free.tokens[inside[0]]
@@ -230,7 +230,7 @@ def test_stop_inside_an_accepted_ngram():
                 assert got.tokens == greedy_decode(model, prompt, 30, stop_ids=(stop,)).tokens
                 assert [t for s in steps for t in s["committed"]] == got.tokens[1:]  # --trace shows no more
                 assert got.tokens == free.tokens[:inside[0] + 1]
-                assert got.accepted[-1] < n  # the accepted n-gram was cut at the stop
+                assert got.committed[-1] < n  # the accepted n-gram was cut at the stop
                 return
             end += n
     pytest.fail("no multi-token step found to place a stop id in")
@@ -242,7 +242,7 @@ def test_reproducible_with_a_seed(shape):
     model = random_model(seed=3, vocab_size=12)
     a = lookahead_decode(model, [1, 2, 3, 4], 30, seed=5, **shape)
     b = lookahead_decode(model, [1, 2, 3, 4], 30, seed=5, **shape)
-    assert a.tokens == b.tokens and a.accepted == b.accepted and a.shapes == b.shapes
+    assert a.tokens == b.tokens and a.committed == b.committed and a.shapes == b.shapes
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -436,7 +436,7 @@ def draw(model, prompt, sampling, cfg, n):
         gen = lookahead_decode(model, prompt, 4, seed=seed, temperature=sampling.temperature,
                                top_p=sampling.top_p, **shape)
         samples.append(tuple(gen.tokens))
-        multi += max(gen.accepted, default=1) > 1
+        multi += max(gen.committed, default=1) > 1
     return samples, multi
 
 
@@ -524,7 +524,7 @@ def test_every_row_of_a_batch_is_its_own_greedy_decoding(seed, vocab, N, max_new
     got = lookahead_decode_batch(model, prompts, max_new, ngram=N, stop_ids=stop, seed=seed, **shape)
     assert [g.tokens for g in got] == expected
     for g in got:
-        assert sum(g.accepted) + 1 == len(g.tokens) and len(g.shapes) == g.steps
+        assert sum(g.committed) + 1 == len(g.tokens) and len(g.shapes) == g.steps
 
 
 def test_a_batch_runs_one_forward_per_step_and_drops_finished_rows(monkeypatch):
