@@ -133,6 +133,17 @@ class Sampling:
 GREEDY = Sampling(temperature=0)
 
 
+def mask_width(model: Transformer, end: int) -> int:
+    """How much of the cache a step attends over: up to its last slot, or (compiled, a fixed
+    shape) the whole cache."""
+    return model.cache_len if model.compiled_step is not None else end
+
+
+def per_row(on_tokens):
+    """A single sequence's on_tokens(ids) as a batch's on_tokens(row, ids)."""
+    return on_tokens and (lambda _, ids: on_tokens(ids))
+
+
 def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, seed=0) -> list[Generation]:
     """Prefill, then one token per forward for each row, reusing the cache. Row b's last token
     sits at slot and position C[b]; every step runs every unfinished row's last token."""
@@ -157,8 +168,8 @@ def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, se
         if len(keep) < len(active):  # finished rows leave the batch (and the cache)
             if not keep:
                 return out
+            model.keep_rows(keep, max(lengths[b] for b in active))  # their committed slots
             active, C, next_tokens = [active[j] for j in keep], C[keep], next_tokens[keep]
-            model.keep_rows(keep, max(lengths) + 1)
         S = mask_width(model, max(lengths[b] for b in active) + 1)
         mask = (torch.arange(S, device=dev) <= C)[:, None]  # (B, 1, S): the committed slots and its own
         logits = model.step(next_tokens, C, C, mask)  # (B, 1, V)
@@ -170,17 +181,6 @@ def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, se
             out[b].steps += 1
             out[b].committed.append(1)
             on_tokens and on_tokens(b, [t])
-
-
-def mask_width(model: Transformer, end: int) -> int:
-    """How much of the cache a step attends over: up to its last slot, or (compiled, a fixed
-    shape) the whole cache."""
-    return model.cache_len if model.compiled_step is not None else end
-
-
-def per_row(on_tokens):
-    """A single sequence's on_tokens(ids) as a batch's on_tokens(row, ids)."""
-    return on_tokens and (lambda _, ids: on_tokens(ids))
 
 
 @torch.inference_mode()
