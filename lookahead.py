@@ -11,6 +11,10 @@ verify_greedy and verify_sampled; Sequence (a prompt's state: propose, verify, c
 the Jacobi guess, the window); lookahead_decode_batch (the loop: one forward per step for all
 rows; lookahead_decode is a batch of one). decoding.py has the request, the prefill and the
 baselines; shape.py the dynamic shape; cli.py the command line.
+
+Words: a *guess* is one guessed token, a node of the trie; a *candidate* is a chain of guesses
+continuing the last token (a pooled n-gram's rest, or the Jacobi guess). The option `guesses`
+(G) keeps the paper's name, "guess set size": the candidates a fixed shape verifies.
 """
 import random
 import time
@@ -276,10 +280,7 @@ class Sequence:
         """Append committed tokens, cut exactly where greedy would stop (a stop id, or
         max_new_tokens), and pool the n-grams that end in them; return what was kept."""
         new_tokens = new_tokens[:self.max_new - len(self.tokens)]
-        for i, t in enumerate(new_tokens):
-            if t in self.stop:
-                new_tokens = new_tokens[:i + 1]
-                break
+        new_tokens = new_tokens[:next((i + 1 for i, t in enumerate(new_tokens) if t in self.stop), None)]
         self.tokens += new_tokens
         if self.output_ngrams:
             N, context = self.N, self.context
@@ -394,18 +395,17 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None,
                      temperature=0.0, top_k=0, top_p=1.0, on_step=None, costs=None) -> Generation:
     """Several tokens per forward. Greedy by default, and then the tokens equal greedy_decode's;
     with temperature/top_k/top_p the tokens are distributed exactly as sample_decode's.
-
-    window W (columns), ngram N (the window's N-1 levels; at most N-1 guesses a candidate),
-    guesses G (candidates verified): given W and G, that fixed shape every step (the paper's
-    configurations); neither (the default), the dynamic shape: before every step choose_shape
-    (shape.py) picks the guesses and window columns for the most expected tokens per second,
-    from the acceptance seen and the step costs measured (StepCosts, kept per model; `costs`
-    replaces it). N defaults to 5. The pool starts with the prompt's n-grams; output_ngrams:
-    also those of the committed text. jacobi_guess: also verify the predictions left over from
-    the step before (with a fixed shape only when the pool offers fewer than G candidates).
-    on_tokens(new ids) as tokens are committed; on_step(dict) after each step, for --trace.
-    Measured costs make the dynamic shapes, so the sampled tokens of a seed (not their
-    distribution), depend on timing: a fixed shape or `costs` repeats a sampled run."""
+    window W (columns), ngram N (5 if None: the window's N-1 levels, at most N-1 guesses a
+    candidate), guesses G (candidates verified): given W and G, that fixed shape every step (the
+    paper's configurations); neither (the default), the dynamic shape: before every step
+    choose_shape (shape.py) picks the guesses and window columns for the most expected tokens per
+    second, from the acceptance seen and the step costs measured (StepCosts, kept per model;
+    `costs` replaces it). The pool starts with the prompt's n-grams; output_ngrams: also those of
+    the committed text. jacobi_guess: also verify the predictions left over from the step before
+    (with a fixed shape only when the pool offers fewer than G candidates). on_tokens(new ids) as
+    tokens are committed; on_step(dict) after each step, for --trace. Measured costs make the
+    dynamic shapes, so a seed's sampled tokens (not their distribution) depend on timing: a fixed
+    shape or `costs` repeats a sampled run."""
     return lookahead_decode_batch(model, [prompt_ids], max_new_tokens, window, ngram, guesses, stop_ids, seed,
                                   temperature, top_k, top_p, per_row(on_tokens), costs,
                                   output_ngrams, jacobi_guess, on_step and (lambda _, step: on_step(step)))[0]
