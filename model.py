@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint import hf_model_args, read_config, read_weights
+from linear import Linear, tune_cpu_products
 
 
 # The step sizes a decoder runs after the prefill: a step of n tokens is padded to the next one
@@ -97,7 +98,7 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(wide, (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-# The layers' Linear is nn.Linear with a faster CPU path for a few tokens (end of this file).
+# Linear (linear.py) is nn.Linear with a second CPU path for a few tokens, chosen by measurement.
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -358,35 +359,8 @@ class Transformer(nn.Module):
             model.lm_head.weight = model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(args).to(device)
         model.eval().requires_grad_(False)
+        if device.type == "cpu":  # how Linear multiplies a few tokens, measured on this CPU
+            tune_cpu_products([m for m in model.modules() if isinstance(m, Linear)], STEP_SIZES[:5], STEP_SIZES[-1])
         if compile:
             model.compile_steps(STEP_SIZES, log=lambda line: print(line, file=sys.stderr, flush=True))
         return model
-
-
-class Linear(nn.Linear):
-    """nn.Linear, except that on the CPU it multiplies as (W @ x^T)^T.
-
-    Decoding runs few tokens against large weights. As the small operand of MKL's sgemm the
-    weights are packed (read, written, read again) on every call; as the large one they are
-    streamed once. On a 2-core AVX2 EPYC this makes the layers' products for 2 to 4 tokens cost
-    about what one token costs (F.linear takes 1.2-2.4x as long there), which is what lets
-    lookahead pay off on a CPU at all (README, Performance).
-
-    A single token is multiplied as two columns (a copy, dropped after): MKL's one-column path
-    took 1.04-1.3x the time of two columns there. Other counts come padded to STEP_SIZES by the
-    decoder (powers of two, which MKL multiplies no slower than the counts just below them:
-    3 columns took 1.45x the time of 2, 4 columns 1.01x). Past the largest step, in a long
-    prefill, packing pays for itself and F.linear is the faster path (2,000 tokens: 1.2x faster).
-    """
-
-    def forward(self, x):
-        n = x.numel() // x.shape[-1]
-        if x.device.type != "cpu" or n > STEP_SIZES[-1]:  # a GPU, or a long prefill: MKL packs in time
-            return super().forward(x)
-        x2 = x.reshape(-1, x.shape[-1])  # (B*T, in)
-        if n == 1:
-            x2 = torch.cat((x2, x2))
-        y = torch.mm(self.weight, x2.t())[:, :n].t().contiguous()  # (B*T, out)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], -1)

@@ -9,7 +9,8 @@ from safetensors.torch import save_file
 
 from conftest import assert_matches_reference, hf_config, random_model, tiny_args, write_checkpoint
 from decoding import greedy_decode
-from model import Linear, ModelArgs, Transformer, rope_inv_freq
+from linear import Linear, tune_cpu_products
+from model import ModelArgs, Transformer, rope_inv_freq
 from tokenizer import TextStream, Tokenizer
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -126,15 +127,29 @@ def ancestry(parents, i):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_linear_equals_f_linear_for_any_token_count(bias):
-    # On the CPU, Linear multiplies a single token with a copy added;
-    # the copies must never leak into the result, whatever the count and batch shape.
+    # On the CPU, Linear multiplies the counts in `transposed` as (W @ x^T)^T, a single token
+    # with a copy added: the copy must never leak into the result, whatever the batch shape.
     torch.manual_seed(0)
     layer = Linear(24, 40, bias=bias).double()
+    layer.transposed = frozenset(range(1, 10))
     for n in range(1, 18):
         x = torch.randn(2, n, 24, dtype=torch.float64)
         for inp in (x, x[:1], x[0]):
             torch.testing.assert_close(layer(inp), torch.nn.functional.linear(inp, layer.weight, layer.bias),
                                        rtol=0, atol=1e-12)
+
+
+def test_cpu_products_are_tuned_per_step_size_for_every_layer_and_change_no_result():
+    model = random_model(seed=5, vocab_size=64)
+    tokens = torch.randint(0, 64, (1, 7))
+    before = model(tokens)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    chosen = tune_cpu_products(linears, (1, 2, 4, 8), 16)
+    assert chosen <= set(range(1, 17))
+    for n in range(1, 17):  # a count follows the next size up that was measured, 9..16 the largest
+        assert (n in chosen) == (min([s for s in (1, 2, 4, 8) if s >= n] or [8]) in chosen)
+    assert all(m.transposed == chosen for m in linears) and len(linears) == 2 * 4 + 1  # 2 layers, and the head
+    torch.testing.assert_close(model(tokens), before, rtol=0, atol=1e-12)
 
 
 def test_scattered_slots_and_mask_equal_plain_forward():
