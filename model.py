@@ -248,8 +248,9 @@ class Transformer(nn.Module):
 
     def rope(self, positions):
         """cos and sin for RoPE at these positions (T,) or (B, T): (T, 1, head_dim) or (B, T, 1,
-        head_dim), with rotate_half's sign in sin (apply_rope). Computed once per forward for all layers, in float32 at least (a
-        bf16 model needs the precision for positions in the thousands; a float64 one keeps its own)."""
+        head_dim), with rotate_half's sign in sin (apply_rope). Once per forward for all layers,
+        in float32 at least (a bf16 model needs the precision for positions in the thousands; a
+        float64 one keeps its own)."""
         wide = torch.promote_types(self.dtype, torch.float32)
         angles = positions.to(wide)[..., None] * self.inv_freq.to(wide)  # (..., T, head_dim/2)
         cos, sin = angles.cos(), angles.sin()
@@ -359,7 +360,7 @@ class Transformer(nn.Module):
             model.lm_head.weight = model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(args).to(device)
         model.eval().requires_grad_(False)
-        if device.type == "cpu":  # how Linear multiplies a few tokens, measured on this CPU
+        if device.type == "cpu":  # how Linear multiplies 1-16 tokens (a CPU's steps), measured here
             tune_cpu_products([m for m in model.modules() if isinstance(m, Linear)], STEP_SIZES[:5], STEP_SIZES[-1])
         if compile:
             model.compile_steps(STEP_SIZES, log=lambda line: print(line, file=sys.stderr, flush=True))
