@@ -2,6 +2,7 @@
 real SmolLM2 checkpoint against Hugging Face transformers' greedy output."""
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -139,16 +140,32 @@ def test_cpu_linear_equals_f_linear_for_any_token_count(bias):
                                        rtol=0, atol=1e-12)
 
 
-def test_cpu_products_are_tuned_per_step_size_for_every_layer_and_change_no_result():
+def slowed(f, seconds=0.002):
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return f(*args, **kwargs)
+    return slow
+
+
+def test_cpu_products_take_the_way_measured_faster_for_every_layer_and_change_no_result(monkeypatch):
     model = random_model(seed=5, vocab_size=64)
     tokens = torch.randint(0, 64, (1, 7))
     before = model(tokens)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    chosen = tune_cpu_products(linears, (1, 2, 4, 8), 16)
-    assert chosen <= set(range(1, 17))
+    assert len(linears) == 2 * 4 + 1  # 2 layers' qkv, o, gate_up, down; the head
+    chosen = tune_cpu_products(linears, (1, 2, 4, 8), 16)  # whatever this CPU measures
     for n in range(1, 17):  # a count follows the next size up that was measured, 9..16 the largest
         assert (n in chosen) == (min([s for s in (1, 2, 4, 8) if s >= n] or [8]) in chosen)
-    assert all(m.transposed == chosen for m in linears) and len(linears) == 2 * 4 + 1  # 2 layers, and the head
+    assert all(m.transposed == chosen for m in linears)
+    torch.testing.assert_close(model(tokens), before, rtol=0, atol=1e-12)
+    # Made slow, either way loses everywhere: the choice follows the clock, not a constant.
+    with monkeypatch.context() as m:
+        m.setattr(torch, "mm", slowed(torch.mm))  # (W @ x^T)^T
+        assert tune_cpu_products(linears, (1, 2, 4, 8), 16) == frozenset()
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.functional, "linear", slowed(torch.nn.functional.linear))  # F.linear
+        assert tune_cpu_products(linears, (1, 2, 4, 8), 16) == frozenset(range(1, 17))
+    assert all(m.transposed == frozenset(range(1, 17)) for m in linears)
     torch.testing.assert_close(model(tokens), before, rtol=0, atol=1e-12)
 
 
