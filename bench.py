@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from cli import DEFAULT_MODEL, DTYPES, resolve_model
+from cli import DTYPES, resolve_model
 from decoding import greedy_decode, greedy_decode_batch
 from lookahead import lookahead_decode, lookahead_decode_batch
 from shape import StepCosts
@@ -177,7 +177,8 @@ def timed(fn, device):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help=f"checkpoint folder or Hub id (default {DEFAULT_MODEL})")
+    ap.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the tests' SmolLM2-135M-Instruct, "
+                                                  "built once by models/smollm2.py)")
     ap.add_argument("--configs", nargs="+", type=parse_config, default=None,
                     help="W,N,G configurations or `dynamic` (default: dynamic)")
     ap.add_argument("--flat-cost", action="store_true",
@@ -197,13 +198,13 @@ def main(argv=None):
         ap.error("--batch takes B >= 2, and runs uncompiled (a compiled model decodes one sequence at a time)")
 
     path = args.model
-    builder = Path(__file__).resolve().parent.parent / "shared" / "models" / "smollm2.py"
-    if path is None and builder.is_file():  # this project's machines build SmolLM2 there
+    if path is None:  # the checkpoint the tests check against transformers (models/README.md)
+        builder = Path(__file__).resolve().parent / "models" / "smollm2.py"
         path = subprocess.run([sys.executable, str(builder)], check=True, capture_output=True,
                               text=True).stdout.strip().splitlines()[-1]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        path = resolve_model(path or DEFAULT_MODEL)
+        path = resolve_model(path)
         model = Transformer.from_pretrained(path, device, DTYPES[args.dtype])
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

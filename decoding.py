@@ -88,6 +88,30 @@ def prefill(model: Transformer, prompts) -> torch.Tensor:
     return torch.cat(logits)  # (B, V)
 
 
+def rope_switch(model: Transformer) -> int | None:
+    """Longrope's original context, where a sequence switches to the long factors (else None)."""
+    s = model.args.rope_scaling
+    return s["original_max_position_embeddings"] if s and s["rope_type"] == "longrope" else None
+
+
+def step_room(model: Transformer, C: int) -> int:
+    """How many tokens a step of a row with C committed slots may hold: the cache's free slots,
+    and before a longrope switch (Phi-3) no position past it (see switch_rope)."""
+    switch = rope_switch(model)
+    return min(model.cache_len - C, switch - C if switch is not None and C < switch else model.cache_len)
+
+
+def switch_rope(model: Transformer, row: int, C: int, sequence: list[int]):
+    """Phi-3's longrope rotates a sequence longer than its original context with other factors,
+    all of its tokens. transformers' greedy decoding drops its cache at the step where the
+    sequence grows past that length and runs it whole; here the row's committed tokens and its
+    `last` (sequence, C + 1 tokens) are run again into their slots, so that every later step sees
+    exactly those keys. Steps before that keep their positions before the switch (step_room)."""
+    if C == rope_switch(model):
+        idx = torch.arange(C + 1, device=model.device)
+        model(torch.tensor([sequence], device=model.device), idx, idx, rows=idx[-1:], cache_row=row)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Temperature, top-k (0 = off) and top-p (1 = off). Temperature 0 or top_k 1 is greedy."""
@@ -170,6 +194,8 @@ def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, se
                 return out
             model.keep_rows(keep, max(lengths[b] for b in active))  # their committed slots
             active, C, next_tokens = [active[j] for j in keep], C[keep], next_tokens[keep]
+        for j, b in enumerate(active):
+            switch_rope(model, j, lengths[b], prompts[b] + tokens[b])
         S = mask_width(model, max(lengths[b] for b in active) + 1)
         mask = (torch.arange(S, device=dev) <= C)[:, None]  # (B, 1, S): the committed slots and its own
         logits = model.step(next_tokens, C, C, mask)  # (B, 1, V)

@@ -23,7 +23,8 @@ from functools import lru_cache
 
 import torch
 
-from decoding import Generation, Sampling, check_requests, ensure_cache, mask_width, per_row, prefill
+from decoding import (Generation, Sampling, check_requests, ensure_cache, mask_width, per_row, prefill, step_room,
+                      switch_rope)
 from model import step_size
 from shape import STEP_COSTS, Acceptance, Shape, StepCosts, choose_shape, step_limits
 
@@ -455,7 +456,9 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, window=None, ngram=No
             active = [active[j] for j in keep]
         step_start = time.perf_counter()
         batch = [rows[b] for b in active]
-        B, budget = len(batch), min(step_max, model.cache_len - max(row.C for row in batch))
+        B, budget = len(batch), min(step_max, *(step_room(model, row.C) for row in batch))
+        for j, row in enumerate(batch):
+            switch_rope(model, j, row.C, row.prompt + row.tokens)
         step_costs = costs or STEP_COSTS.setdefault(model, {}).setdefault(B, StepCosts())
 
         # 1. Every row proposes its guesses (Sequence.propose).

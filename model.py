@@ -1,4 +1,5 @@
-"""A single-file Llama (and Mistral, Qwen2) in plain PyTorch, built for lookahead decoding.
+"""A single-file Llama in plain PyTorch, built for lookahead decoding; Mistral, Qwen2, Qwen3,
+Phi-3/Phi-4 and Gemma 3 are the same block with the few differences that ModelArgs lists.
 
 Besides the usual causal forward, one call can run T tokens at arbitrary RoPE positions,
 write their K/V into chosen slots of a preallocated cache, and attend under an arbitrary
@@ -12,6 +13,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -42,23 +44,43 @@ class ModelArgs:
     vocab_size: int = 49152
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None  # llama3, linear or longrope (Phi-3), as rope_inv_freq reads it
     tie_word_embeddings: bool = False
     max_seq_len: int = 2048  # the context the model was trained for (max_position_embeddings)
-    attention_bias: bool = False
     bos_id: int | None = None
     eos_ids: tuple = ()
+    model_type: str = "llama"  # the checkpoint's family: checkpoint.py maps its tensor names
+    # Each family's differences from the Llama block (checkpoint.hf_model_args sets them):
+    qkv_bias: bool = False  # Qwen2, and Llama/Qwen3/Gemma's attention_bias: biases on q, k and v
+    o_bias: bool = False  # Llama/Qwen3/Gemma's attention_bias: a bias on o_proj too
+    mlp_bias: bool = False  # Llama's mlp_bias: biases on gate, up and down
+    hidden_act: str = "silu"  # the MLP's gate: "silu", "gelu" or "gelu_tanh" (Gemma)
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's q and k, before RoPE
+    rotary_dim: int | None = None  # Phi-3/4 partial_rotary_factor: rotate only this much of each head
+    attn_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
+    norm_offset: float = 0.0  # Gemma: norms scale by (1 + w), in float32
+    sandwich_norms: bool = False  # Gemma 3: each branch's output normed too (four norms a block)
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(dim), rounded to float32 as Gemma does
+    sliding_window: int | None = None  # sliding layers attend to keys at q_pos - window < p <= q_pos
+    sliding_layers: tuple = ()  # which layers slide (Mistral, Phi-3: all; Gemma 3: 5 of 6; Qwen: layer_types)
+    local_rope_theta: float | None = None  # Gemma 3: sliding layers' own RoPE base (no scaling)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
         return cls(**hf_model_args(cfg))
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Rotary frequencies in float32 (as Hugging Face computes them), with Llama-3 / linear scaling."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    s = args.rope_scaling
+def rope_inv_freq(args: ModelArgs, local=False, long=False) -> torch.Tensor:
+    """Rotary frequencies in float32 (as Hugging Face computes them), with Llama-3, linear or
+    longrope scaling. local: Gemma 3's sliding layers (their own base, unscaled); long: longrope's
+    long factors, else its short ones."""
+    d = args.rotary_dim or args.head_dim
+    theta = args.local_rope_theta if local else args.rope_theta
+    exponents = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d  # on the CPU even under meta
+    s = None if local else args.rope_scaling
+    if s and s["rope_type"] == "longrope":  # Phi-3: a factor per frequency, a set per context length
+        return 1.0 / (torch.tensor(s["long_factor" if long else "short_factor"], device="cpu") * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     if s is None:
         return inv_freq
     if s["rope_type"] == "linear":
@@ -75,27 +97,29 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 def apply_rope(x, cos, sin):
-    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1) for the
-    two halves of head_dim. That is roll(x, head_dim/2) with the first half negated; the sign is
-    folded into `sin` (see Transformer.rope), so q and k rotate together in four kernels.
-
-    Rotate-half pairs dimension i with i + head_dim/2. Meta's original weights pair neighbours
-    (2i, 2i+1); Hugging Face's conversion permuted the rows of q_proj/k_proj so that rotate-half
-    gives the same result. We load HF checkpoints, so no permutation here."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    """Rotate-half RoPE on the first d dims of each head (all but Phi-3/4's partial rotary): x * cos
+    + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), i.e. roll(x, d/2) with the sign folded into
+    `sin` (Transformer.rope), so q and k rotate together in four kernels. It pairs dims i and i + d/2,
+    as Hugging Face's checkpoints (their q/k rows permuted from Meta's neighbours) expect."""
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :d], cos, sin), x[..., d:]), dim=-1)
+    return x * cos + x.roll(d // 2, -1) * sin
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
         # Normalise in float32 at least, like the reference implementation, so bf16 runs round
         # the same way (and a float64 model stays float64 throughout).
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        return self.weight * F.rms_norm(wide, (x.shape[-1],), eps=self.eps).to(x.dtype)
+        wide = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), (x.shape[-1],), eps=self.eps)
+        if self.offset:  # Gemma scales by (1 + w) before rounding back; Llama rounds, then scales
+            return (wide * (self.offset + self.weight.to(wide.dtype))).to(x.dtype)
+        return self.weight * wide.to(x.dtype)
 
 
 # Linear (linear.py) is nn.Linear with a second CPU path for a few tokens, chosen by measurement.
@@ -103,21 +127,28 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.scale = args.attn_scale  # None: SDPA's 1/sqrt(head_dim)
         # q, k and v in one product (the checkpoint's three are stacked at load, see checkpoint.py).
-        self.qkv_proj = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim,
-                               bias=args.attention_bias)
-        self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.qkv_proj = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.q_norm = self.k_norm = None
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset)
         # (B, n_kv_heads, cache_len, head_dim) each, see Transformer.setup_cache. Buffers, written
         # in place by index (as gpt-fast does): a compiled step then updates them where they are
         # (an index_copy_ into a view of one shared tensor made inductor copy the whole cache).
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x, cos, sin, slots, attn_mask, cache_rows):
+    def forward(self, x, cos, sin, attn_mask, slots, cache_rows):
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, hd)
-        qk = apply_rope(qkv[:, :, :H + Hkv], cos, sin)  # q and k heads rotated together
+        qk = qkv[:, :, :H + Hkv]
+        if self.q_norm is not None:  # Qwen3, Gemma 3: each head's q and k normed before RoPE
+            qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
+        qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, hd)
         k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, hd)
         v = qkv[:, :, H + Hkv:].transpose(1, 2)
@@ -125,10 +156,12 @@ class Attention(nn.Module):
             # to slot slots[b, t] (or slots[t]) of cache row cache_rows[b]
             self.k_cache[cache_rows, :, slots] = k.transpose(1, 2)  # indexed as (B, T, Hkv, hd)
             self.v_cache[cache_rows, :, slots] = v.transpose(1, 2)
-        if attn_mask is None:
-            # Causal among this call's own tokens and nothing else (a prefill): SDPA's causal
-            # kernels never build a (T, T) mask, so memory stays linear in T.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)  # (B, H, T, hd)
+        if attn_mask is None or attn_mask.dtype == torch.bool:
+            # A prefill: causal among this call's own tokens and nothing else. SDPA's causal
+            # kernels never build a (T, T) mask, so memory stays linear in T; a sliding layer's
+            # band past its window is a boolean (T, T), one byte a pair, shared by the heads.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                               scale=self.scale, enable_gqa=H != Hkv)  # (B, H, T, hd)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))
         # Attend over the first S slots of the cache (S = mask width): the rest is unused.
         S = attn_mask.shape[-1]
@@ -139,7 +172,7 @@ class Attention(nn.Module):
         # match (Transformer.attention_mask).
         group = H // Hkv
         q = q.reshape(B, Hkv, group * T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, Hkv, group*T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)  # (B, Hkv, group*T, hd)
         y = y.view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
         return self.o_proj(y)
 
@@ -147,25 +180,36 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_up_proj = Linear(args.dim, 2 * args.hidden_dim, bias=False)  # gate and up stacked
-        self.down_proj = Linear(args.hidden_dim, args.dim, bias=False)
+        self.gate_up_proj = Linear(args.dim, 2 * args.hidden_dim, bias=args.mlp_bias)  # gate and up stacked
+        self.down_proj = Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)
+        self.act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh")}[args.hidden_act]
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Block(nn.Module):
+    """Llama's pre-norm block. Gemma 3 norms each branch's output too ("sandwich"): its
+    post_attention_layernorm norms the attention's output, and the MLP's input norm is
+    pre_feedforward_layernorm (in Llama, post_attention_layernorm is the MLP's input norm)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        norm = partial(RMSNorm, args.dim, args.norm_eps, args.norm_offset)
+        self.input_layernorm, self.self_attn, self.post_attention_layernorm = norm(), Attention(args), norm()
         self.mlp = MLP(args)
+        self.sandwich = args.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
-    def forward(self, x, cos, sin, slots, attn_mask, cache_rows):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, attn_mask, cache_rows)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, attn_mask, slots, cache_rows):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, slots, cache_rows)
+        if not self.sandwich:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Transformer(nn.Module):
@@ -176,12 +220,23 @@ class Transformer(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.lm_head = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # float32 even in a bf16 model: positions in the thousands need the precision.
+        self.slides = [i in args.sliding_layers for i in range(args.n_layers)] if args.sliding_window else []
+        # RoPE's frequencies in float32 even in a bf16 model (positions in the thousands need the
+        # precision); Gemma 3's sliding layers and longrope's long factors have tables of their own.
+        longrope = bool(args.rope_scaling) and args.rope_scaling["rope_type"] == "longrope"
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("local_inv_freq", rope_inv_freq(args, local=True) if args.local_rope_theta else None,
+                             persistent=False)
+        self.register_buffer("long_inv_freq", rope_inv_freq(args, long=True) if longrope else None, persistent=False)
+        # Gemma's embedding scale as a float32 tensor, rounded to the model's dtype as Gemma does.
+        self.register_buffer("embed_scale", torch.tensor(args.embed_scale, device="cpu"), persistent=False)
+        # With sliding layers, the position of the token in each cache slot (B, cache_len): a step's
+        # band follows the slots' positions, whatever order the decoders keep them in.
+        self.register_buffer("slot_positions", None, persistent=False)
         self.compiled_step = None  # see compile_steps
         self.compiled_sizes = ()
         self.cache_len = 0  # slots in the KV cache; 0 = none set up (the decoders track what is committed)
@@ -206,6 +261,8 @@ class Transformer(nn.Module):
             attn = layer.self_attn
             attn.k_cache, attn.v_cache = (torch.zeros(batch, a.n_kv_heads, max_seq_len, a.head_dim,
                                                       dtype=self.dtype, device=self.device) for _ in "kv")
+        if self.slides:
+            self.slot_positions = torch.zeros(batch, max_seq_len, dtype=torch.long, device=self.device)
         self.cache_len = max_seq_len
 
     @property
@@ -216,12 +273,15 @@ class Transformer(nn.Module):
         """Keep only these rows of the cache, in this order (a batch whose other sequences
         finished), so that finished rows cost nothing after: their slots [0, used) are moved up
         in place, once, and the cache becomes a view of its first len(rows) rows."""
-        index = torch.tensor(rows, device=self.device)
+        index, n = torch.tensor(rows, device=self.device), len(rows)
         for layer in self.layers:
             attn = layer.self_attn
             for cache in (attn.k_cache, attn.v_cache):
-                cache[:len(rows), :, :used] = cache[index, :, :used]  # gathered first, then written
-            attn.k_cache, attn.v_cache = attn.k_cache[:len(rows)], attn.v_cache[:len(rows)]
+                cache[:n, :, :used] = cache[index, :, :used]  # gathered first, then written
+            attn.k_cache, attn.v_cache = attn.k_cache[:n], attn.v_cache[:n]
+        if self.slides:
+            self.slot_positions[:n, :used] = self.slot_positions[index, :used]
+            self.slot_positions = self.slot_positions[:n]
 
     def kv(self) -> torch.Tensor:
         """Every layer's K and V stacked, (n_layers, 2, B, n_kv_heads, cache_len, head_dim): a copy,
@@ -245,15 +305,26 @@ class Transformer(nn.Module):
         for layer in self.layers:
             for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
                 cache[rows, :, dst] = cache[rows, :, src]  # gathered first, then written: overlaps are safe
+        if self.slides:  # (B, cache_len)
+            self.slot_positions[rows, dst] = self.slot_positions[rows, src]
 
-    def rope(self, positions):
-        """cos and sin for RoPE at these positions (T,) or (B, T): (T, 1, head_dim) or (B, T, 1,
-        head_dim), with rotate_half's sign in sin (apply_rope). Once per forward for all layers,
-        in float32 at least (a bf16 model needs the precision for positions in the thousands; a
-        float64 one keeps its own)."""
+    def rope(self, positions, local=False, whole=False):
+        """cos and sin at these positions (T,) or (B, T): (T, 1, d) or (B, T, 1, d), rotate_half's
+        sign in sin (apply_rope); once per forward for the layers of a kind (local: Gemma 3's sliding
+        ones), in float32 at least. whole: the positions of a whole prompt run at once (a prefill)."""
         wide = torch.promote_types(self.dtype, torch.float32)
-        angles = positions.to(wide)[..., None] * self.inv_freq.to(wide)  # (..., T, head_dim/2)
+        inv_freq = self.local_inv_freq if local else self.inv_freq
+        s = self.args.rope_scaling
+        if self.long_inv_freq is not None and not local:
+            # Longrope (Phi-3) takes its long factors past the original context. transformers picks
+            # a set per forward by its largest position: a decoded token switches at `original`, a
+            # longer prompt takes the long set throughout; each token here gets the set greedy gave it.
+            late = (positions.amax(-1, keepdim=True) if whole else positions) >= s["original_max_position_embeddings"]
+            inv_freq = torch.where(late[..., None], self.long_inv_freq, inv_freq)  # (..., T, d/2)
+        angles = positions.to(wide)[..., None] * inv_freq.to(wide)  # (..., T, d/2)
         cos, sin = angles.cos(), angles.sin()
+        if s and "attention_factor" in s and not local:  # longrope scales q.k through cos and sin
+            cos, sin = cos * s["attention_factor"], sin * s["attention_factor"]
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         return cos[..., None, :].to(self.dtype), sin[..., None, :].to(self.dtype)
 
@@ -268,7 +339,7 @@ class Transformer(nn.Module):
         out = out[..., :S].masked_fill_(mask.repeat(*[1] * len(B), group, 1), 0.0)
         return out[:, None] if B else out
 
-    def forward(self, tokens, positions=None, slots=None, mask=None, rows=None, cache_row=None):
+    def forward(self, tokens, positions=None, slots=None, mask=None, rows=None, cache_row=None, check=True):
         """tokens (B, T) -> logits (B, T, vocab).
 
         Without a mask: causal among these tokens alone, at positions 0..T-1 unless given (a
@@ -279,22 +350,46 @@ class Transformer(nn.Module):
         rows: compute logits only for these token indices, (R,) or per row (B, R) (the LM head is
         a large part of a small model's step, and lookahead reads few of the rows).
         cache_row: write into this row of the cache (a prefill of one row of a batch; B = 1).
+        check: raise if a position reaches the model's context (one host sync; step() skips it).
         """
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device)
         if mask is not None and slots is None:
             raise ValueError("a mask attends over the cache: give the slots too")
-        cos, sin = self.rope(positions)
-        attn_mask = None if mask is None else self.attention_mask(mask)
+        if check and not torch.compiler.is_compiling() and int(positions.max()) >= self.args.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is past the model's context of {self.args.max_seq_len}")
         cache_rows = (torch.arange(B, device=tokens.device)[:, None] if cache_row is None  # (B, 1)
                       else torch.full((1, 1), cache_row, device=tokens.device))
+        full = (*self.rope(positions, whole=mask is None), None if mask is None else self.attention_mask(mask))
+        local = full
+        if self.slides:
+            if slots is not None:  # where each of these tokens' K/V goes, its position goes too
+                self.slot_positions[cache_rows, slots] = positions
+            local = (*(self.rope(positions, local=True) if self.local_inv_freq is not None else full[:2]),
+                     self.window_mask(positions, mask, cache_rows))
         x = self.embed_tokens(tokens)  # (B, T, dim)
-        for layer in self.layers:
-            x = layer(x, cos, sin, slots, attn_mask, cache_rows)
+        if self.args.embed_scale != 1.0:
+            x = x * self.embed_scale.to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, *(local if self.slides and self.slides[i] else full), slots, cache_rows)
         if rows is not None:
             x = x[:, rows] if rows.dim() == 1 else x[torch.arange(B, device=x.device)[:, None], rows]
         return self.lm_head(self.norm(x))
+
+    def window_mask(self, positions, mask, cache_rows):
+        """A sliding layer's mask: the same keys, less those at positions p <= q_pos - window. In a
+        step the band compares each query's position with each slot's (slot_positions, kept through
+        rollbacks); a prefill is causal by index, and past the window a boolean (T, T) band."""
+        window = self.args.sliding_window
+        if mask is None:
+            if positions.shape[-1] <= window:
+                return None  # causal alone is the band
+            d = positions[..., :, None] - positions[..., None, :]  # (..., T, T)
+            band = (d >= 0) & (d < window)
+            return band[:, None] if band.dim() == 3 else band
+        keys = self.slot_positions[cache_rows[:, 0], :mask.shape[-1]]  # (B, S)
+        return self.attention_mask(mask & (positions[..., :, None] - keys[:, None, :] < window))
 
     def step(self, tokens, positions, slots, mask, rows=None):
         """One decoding step of B rows: forward(tokens (B, T), positions (B, T), slots (B, T),
@@ -310,7 +405,8 @@ class Transformer(nn.Module):
             inputs = (t.clone(memory_format=torch.contiguous_format) for t in (tokens, positions, slots, mask))
             logits = self.compiled_step(*inputs)
             return logits if rows is None else logits[torch.arange(len(rows), device=rows.device)[:, None], rows]
-        return self(tokens, positions, slots, mask, rows=rows)
+        # The decoders size every step to fit the cache (<= the context): no sync to check positions.
+        return self(tokens, positions, slots, mask, rows=rows, check=False)
 
     @torch.inference_mode()
     def compile_steps(self, sizes, cache_len=None, log=None):
@@ -358,8 +454,7 @@ class Transformer(nn.Module):
         model.load_state_dict(state, strict=False, assign=True)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.inv_freq = rope_inv_freq(args).to(device)
-        model.eval().requires_grad_(False)
+        model.to(device).eval().requires_grad_(False)  # the weights are there: this moves the buffers
         if device.type == "cpu":  # how Linear multiplies 1-16 tokens (a CPU's steps), measured here
             tune_cpu_products([m for m in model.modules() if isinstance(m, Linear)], STEP_SIZES[:5], STEP_SIZES[-1])
         if compile:

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import assert_matches_reference, random_model, write_tokenizer
+from conftest import FAMILY_OPTIONS, assert_matches_reference, random_model, write_tokenizer
 from model import Transformer
 from tokenizer import Tokenizer
 from cli import main
-from decoding import Sampling, greedy_decode, greedy_decode_batch, sample_decode
+from decoding import Sampling, greedy_decode, greedy_decode_batch, rope_switch, sample_decode
 from lookahead import NGramPool, Tree, lookahead_decode, lookahead_decode_batch, step_inputs
 from shape import Acceptance, StepCosts, choose_shape
 from model import step_size
@@ -48,9 +48,10 @@ def test_lookahead_equals_greedy():
     @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
     @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 32), N=st.integers(2, 6),
            max_new=st.integers(1, 60), context=st.sampled_from([40, 64, 256]), jacobi_guess=st.booleans(),
-           data=st.data())
-    def prop(seed, vocab, N, max_new, context, jacobi_guess, data):
-        model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=context)
+           family=st.sampled_from(list(FAMILY_OPTIONS)), data=st.data())
+    def prop(seed, vocab, N, max_new, context, jacobi_guess, family, data):
+        model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=context,
+                             **FAMILY_OPTIONS[family])
         motif = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6))
         prompt = (motif * 20)[:data.draw(st.integers(1, 30))]
         stop = data.draw(st.sampled_from([(), (0,), (vocab - 1, 3)]))
@@ -66,6 +67,9 @@ def test_lookahead_equals_greedy():
         for s in got.shapes:  # a step's tokens fit its padded size, and the size is on the menu
             assert 1 + s.guesses + s.window * s.levels <= s.size and s.size in SIZES + [256]
         seen["runs"] += 1
+        seen[family] += 1
+        seen[f"{family} past the window"] += bool(model.slides) and len(prompt) + len(got.tokens) > model.args.sliding_window + 1
+        seen[f"{family} past the switch"] += rope_switch(model) is not None and len(prompt) + len(got.tokens) > rope_switch(model) + 1
         seen["multi"] += max(got.committed, default=1) > 1
         seen["full"] += max(got.committed, default=1) == N
         seen["near_context"] += len(prompt) + max_new + 2 * 8 * (N - 1) > context
@@ -87,6 +91,7 @@ def test_lookahead_equals_greedy():
     for mode in ("measured", "flat", "adversarial"):
         assert seen[f"{mode} steps"] > 0 and seen[f"{mode} merged"] > 0, seen
     assert seen["flat window"] and seen["adversarial window narrowed"] and seen["adversarial padded"], seen
+    assert all(seen[f"{f} past the window"] for f in ("sliding", "gemma", "phi3")) and seen["phi3 past the switch"], seen
 
 
 def trajectory_mask(tree, W, L):
@@ -362,6 +367,15 @@ def test_smollm2_lookahead_matches_transformers(smollm2, reference, W, N, G):
         assert_matches_reference(gen.tokens, case)
 
 
+@pytest.mark.parametrize("W,N,G", [(None, None, None), (7, 5, 7)])
+def test_gemma3_lookahead_matches_transformers(gemma3, gemma3_reference, W, N, G):
+    # The fixed shape on the two prompts where the window and the pool matter most, for time.
+    cases = gemma3_reference if W is None else [c for c in gemma3_reference if c["name"] in ("timekeeping_question", "times_table")]
+    for case in cases:
+        gen = lookahead_decode(gemma3, case["prompt_ids"], len(case["greedy_ids"]), W, N, G, stop_ids=(1, 106))
+        assert_matches_reference(gen.tokens, case)
+
+
 # --- sampling --------------------------------------------------------------------------------
 
 def exact_joint(model, prompt, n, sampling):
@@ -513,8 +527,10 @@ def test_bad_sampling_options(options, message):
        context=st.sampled_from([48, 256]), data=st.data())
 def test_every_row_of_a_batch_is_its_own_greedy_decoding(seed, vocab, N, max_new, context, data):
     """Rows of different lengths, stop ids, fixed shapes and the dynamic one (measured, flat and
-    adversarial costs): each row's tokens are its own greedy_decode's, with and without lookahead."""
-    model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=context)
+    adversarial costs), every family: each row's tokens are its own greedy_decode's, with and
+    without lookahead."""
+    family = data.draw(st.sampled_from(list(FAMILY_OPTIONS)))
+    model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=context, **FAMILY_OPTIONS[family])
     motifs = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5), min_size=1, max_size=5))
     prompts = [(m * 20)[:data.draw(st.integers(1, 30))] for m in motifs]
     stop = data.draw(st.sampled_from([(), (0,), (vocab - 1, 3)]))
@@ -663,7 +679,7 @@ def test_cli_sampling(tiny_checkpoint, capsys):
 
 
 @pytest.mark.parametrize("case", [
-    "missing_folder", "no_config", "no_weights", "model_type", "pickle_only", "empty_prompt", "long_prompt",
+    "missing_folder", "no_config", "no_weights", "model_type", "hidden_act", "pickle_only", "empty_prompt", "long_prompt",
     "window", "ngram", "guesses", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
     "batch_bad_json", "batch_empty", "batch_and_prompt", "batch_trace", "batch_compile", "batch_long_prompt",
 ])
@@ -679,6 +695,9 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
     elif case == "model_type":
         cfg = json.loads((tiny_checkpoint / "config.json").read_text())
         (tiny_checkpoint / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
+    elif case == "hidden_act":
+        cfg = json.loads((tiny_checkpoint / "config.json").read_text())
+        (tiny_checkpoint / "config.json").write_text(json.dumps({**cfg, "hidden_act": "relu2"}))
     elif case == "pickle_only":
         (tiny_checkpoint / "model.safetensors").rename(tiny_checkpoint / "pytorch_model.bin")
     elif case == "empty_prompt":

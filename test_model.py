@@ -1,15 +1,19 @@
 """model.py and tokenizer.py: loading, the positions/slots/mask forward, the cache, and the
 real SmolLM2 checkpoint against Hugging Face transformers' greedy output."""
 import json
+import math
+import re
 import shutil
 import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import save_file
 
-from conftest import assert_matches_reference, hf_config, random_model, tiny_args, write_checkpoint
+from conftest import FAMILY_OPTIONS, assert_matches_reference, hf_config, random_model, tiny_args, write_checkpoint
 from decoding import greedy_decode
+from lookahead import lookahead_decode
 from linear import Linear, tune_cpu_products
 from model import ModelArgs, Transformer, rope_inv_freq
 from tokenizer import TextStream, Tokenizer
@@ -23,15 +27,14 @@ VARIANTS = {
     "tied": dict(tie_word_embeddings=True),
     "llama3_rope": dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
     "head_dim": dict(head_dim=16),  # head_dim * n_heads != dim
-    "qwen2_bias": dict(attention_bias=True),
+    "qwen2_bias": dict(qkv_bias=True, model_type="qwen2"),
 }
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_load_and_match(tmp_path, variant):
     model = random_model(**VARIANTS[variant])
-    model_type = "qwen2" if variant == "qwen2_bias" else "llama"
-    loaded = Transformer.from_pretrained(write_checkpoint(tmp_path, model, model_type), "cpu", torch.float64)
+    loaded = Transformer.from_pretrained(write_checkpoint(tmp_path, model, model.args.model_type), "cpu", torch.float64)
     assert loaded.args == model.args
     assert loaded.dtype == torch.float64
     tokens = torch.randint(0, 32, (1, 12))
@@ -55,10 +58,10 @@ def test_config_fields():
     args = ModelArgs.from_hf_config(cfg)
     assert args.eos_ids == (2, 5)
     assert args.rope_theta == 5e5 and args.rope_scaling["rope_type"] == "llama3"
-    assert args.max_seq_len == 128  # capped at the sliding window, where full attention is still exact
+    assert args.max_seq_len == 256 and args.sliding_window == 128 and args.sliding_layers == (0, 1)  # all slide
     old_key = ModelArgs.from_hf_config(hf_config(tiny_args(), rope_scaling={**LLAMA3_ROPE, "type": "llama3"}))
     assert old_key.rope_scaling["factor"] == 8.0
-    assert ModelArgs.from_hf_config(hf_config(tiny_args(), "qwen2")).attention_bias
+    assert ModelArgs.from_hf_config(hf_config(tiny_args(), "qwen2")).qkv_bias
     assert ModelArgs.from_hf_config({k: v for k, v in hf_config(tiny_args()).items()
                                      if k != "num_key_value_heads"}).n_kv_heads == 4
 
@@ -238,10 +241,66 @@ def test_missing_folder_and_config(tmp_path):
         Transformer.from_pretrained(tmp_path)
 
 
-def test_unknown_model_type(tmp_path):
-    write_checkpoint(tmp_path, random_model(), config=hf_config(tiny_args(), "gpt2"))
-    with pytest.raises(ValueError, match="'gpt2'"):
+LONGROPE = dict(type="longrope", short_factor=[1.0] * 4, long_factor=[2.0] * 4, original_max_position_embeddings=64)
+REFUSED = {  # what is not built -> (config.json changes, the field named in the error)
+    "model_type": (dict(model_type="gpt2"), "model_type = 'gpt2'"),
+    "moe_type": (dict(model_type="qwen3_moe"), "model_type = 'qwen3_moe'"),
+    "hidden_act": (dict(hidden_act="relu2"), "hidden_act = 'relu2'"),
+    "gemma_act": (dict(model_type="gemma3_text", hidden_activation="gelu_new"), "hidden_activation = 'gelu_new'"),
+    "rope_yarn": (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "rope_type = 'yarn'"),
+    "rope_dynamic": (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope_type = 'dynamic'"),
+    "longrope_factors": (dict(model_type="phi3", rope_scaling=dict(LONGROPE, short_factor=[1.0])), "short_factor"),
+    "partial_rotary": (dict(partial_rotary_factor=0.5), "partial_rotary_factor = 0.5"),  # built for Phi-3 alone
+    "softcap": (dict(model_type="gemma3_text", final_logit_softcapping=30.0), "final_logit_softcapping = 30.0"),
+    "attn_softcap": (dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "attn_logit_softcapping = 50.0"),
+    "experts": (dict(num_local_experts=8), "num_local_experts = 8"),
+    "bidirectional": (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    "mistral_bias": (dict(model_type="mistral", attention_bias=True), "attention_bias = True"),
+    "qwen_mlp_bias": (dict(model_type="qwen3", mlp_bias=True), "mlp_bias = True"),
+    "gemma_local_rope": (dict(model_type="gemma3_text", rope_parameters=dict(
+        full_attention=dict(rope_type="default", rope_theta=1e6),
+        sliding_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e4))), "sliding_attention.rope_type = 'linear'"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_is_not_built_is_refused_from_the_config_alone(tmp_path, case):
+    """The folder holds only config.json: reading any weight would fail another way."""
+    changes, named = REFUSED[case]
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config(tiny_args()), **changes}))
+    with pytest.raises(ValueError, match="^config.json: .*" + re.escape(named)):
         Transformer.from_pretrained(tmp_path)
+
+
+def test_each_family_reads_its_options_from_config(tmp_path):
+    # Llama's attention_bias puts a bias on o_proj too; Qwen2's biases are on q, k, v only.
+    llama = ModelArgs.from_hf_config(hf_config(tiny_args(), attention_bias=True, mlp_bias=True))
+    assert llama.qkv_bias and llama.o_bias and llama.mlp_bias
+    qwen2 = ModelArgs.from_hf_config(hf_config(tiny_args(), "qwen2", sliding_window=8, max_window_layers=1))
+    assert qwen2.qkv_bias and not qwen2.o_bias and qwen2.sliding_window is None  # use_sliding_window is off
+    qwen2 = ModelArgs.from_hf_config(hf_config(tiny_args(), "qwen2", use_sliding_window=True, sliding_window=8,
+                                               max_window_layers=1))
+    assert qwen2.sliding_window == 8 and qwen2.sliding_layers == (1,)
+    # A window as long as the context slides nothing; Phi-3.5 ships one longer than its context.
+    assert ModelArgs.from_hf_config(hf_config(tiny_args(), "phi3", sliding_window=4096)).sliding_window is None
+    phi = ModelArgs.from_hf_config(hf_config(tiny_args(head_dim=16), "phi3", partial_rotary_factor=0.5,
+                                             max_position_embeddings=1024, rope_scaling=LONGROPE))
+    assert phi.rotary_dim == 8 and phi.rope_scaling["original_max_position_embeddings"] == 64
+    assert phi.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(16) / math.log(64)) ** 0.5)
+    cfg = {k: v for k, v in hf_config(tiny_args()).items() if k != "tie_word_embeddings"}  # Gemma ties by default
+    gemma = ModelArgs.from_hf_config({**cfg, "model_type": "gemma3_text", "sliding_window": 16,
+                                      "rope_local_base_freq": 100.0, "query_pre_attn_scalar": 144})
+    assert gemma.sliding_layers == (0, 1) and gemma.local_rope_theta == 100.0 and gemma.attn_scale == 1 / 12
+    assert gemma.tie_word_embeddings and gemma.qk_norm and gemma.sandwich_norms and gemma.hidden_act == "gelu_tanh"
+
+
+def test_positions_past_the_context_are_an_error():
+    model = random_model(max_seq_len=16)
+    with pytest.raises(ValueError, match="context of 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    model.setup_cache(16)
+    with pytest.raises(ValueError, match="position 16 is past the model's context of 16"):
+        model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([16]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool))
 
 
 def test_pickle_only_and_no_weights(tmp_path):
@@ -297,6 +356,27 @@ def test_smollm2_tokenizer(smollm2_path, reference):
         assert tok.decode(case["greedy_ids"]) == case["text"]
 
 
+GEMMA_STOPS = (1, 106)  # <eos>, <end_of_turn>
+
+
+def test_gemma3_greedy_matches_transformers(gemma3, gemma3_reference):
+    # The first prompt is 744 tokens: all 64 generated tokens lie past the 512-token local window.
+    assert gemma3.args.sliding_window == 512 and len(gemma3.args.sliding_layers) == 15
+    for case in gemma3_reference:
+        gen = greedy_decode(gemma3, case["prompt_ids"], len(case["greedy_ids"]), stop_ids=GEMMA_STOPS)
+        assert_matches_reference(gen.tokens, case)
+
+
+def test_gemma3_tokenizer(gemma3_path, gemma3_reference):
+    """A byte-fallback BPE over a SentencePiece vocabulary (262k tokens) whose post-processor
+    prepends <bos>, unlike SmolLM2's byte-level BPE."""
+    tok = Tokenizer.from_pretrained(gemma3_path)
+    assert tok.vocab_size == 262144 and set(GEMMA_STOPS) <= set(tok.stop_ids)
+    for case in gemma3_reference:
+        assert tok.encode(case["prompt"]) == case["prompt_ids"] and case["prompt_ids"][0] == 2
+        assert tok.decode(case["greedy_ids"]) == case["text"]
+
+
 def test_text_stream_keeps_spaces_and_whole_characters(smollm2_path):
     tok = Tokenizer.from_pretrained(smollm2_path)
     text = "Naïve café: 東京 is big — 🙂 ok!\n  indented"
@@ -319,9 +399,12 @@ needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c+
 
 @pytest.fixture(scope="module")
 def compiled_pair():
-    """The same tiny float64 model twice: eager, and with every step size up to 8 compiled."""
-    eager = random_model(seed=9, vocab_size=16, max_seq_len=96)
-    compiled = random_model(seed=9, vocab_size=16, max_seq_len=96)
+    """The same tiny float64 model twice: eager, and with every step size up to 8 compiled. Every
+    family's options at once (Gemma's window of 5 on layer 0, and Phi-3's partial rotary and
+    longrope switch at 24), so the compiled step runs windows over slot positions and both RoPEs."""
+    options = dict(FAMILY_OPTIONS["gemma"], rotary_dim=4, rope_scaling=FAMILY_OPTIONS["phi3"]["rope_scaling"])
+    eager = random_model(seed=9, vocab_size=16, max_seq_len=96, **options)
+    compiled = random_model(seed=9, vocab_size=16, max_seq_len=96, **options)
     compiled.compile_steps((1, 2, 4, 8))
     return eager, compiled
 
@@ -360,5 +443,93 @@ def test_a_compiled_model_keeps_its_cache(compiled_pair):
     assert compiled.cache_len == 96
     buffers = dict(compiled.named_buffers())  # buffers: their addresses stay fixed for CUDA graphs
     assert all(f"layers.{i}.self_attn.{kv}_cache" in buffers for i in range(2) for kv in "kv")
+    assert "slot_positions" in buffers
     with pytest.raises(ValueError, match="compiled"):
         compiled.setup_cache(48)
+
+
+# --- the model families against transformers --------------------------------------------------
+# Tiny random models made by transformers itself (float64), saved as a user's checkpoint would be,
+# loaded here. transformers rounds its RMSNorms through float32, so logits agree to ~3e-5, not
+# 1e-12; a window one key off moves them by ~1e-1. Windows of 8 keys and a longrope switch at 32
+# lie well inside the 100 tokens compared and the 90 of a greedy run.
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+GEMMA3 = dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=12, rope_theta=1e5, rope_local_base_freq=100.0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+HF_FAMILIES = {
+    "llama_biases": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+    "llama_gelu": ("LlamaConfig", dict(hidden_act="gelu")),
+    "llama3_rope": ("LlamaConfig", dict(rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE, original_max_position_embeddings=16))),
+    "mistral_window": ("MistralConfig", dict(sliding_window=8)),
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", dict(attention_bias=True, head_dim=16)),
+    "phi3_longrope": ("Phi3Config", dict(partial_rotary_factor=0.5, original_max_position_embeddings=32, sliding_window=24,
+                                         rope_scaling=dict(type="longrope", short_factor=[1.0, 1.1], long_factor=[2.0, 5.0]))),
+    "phi3_plain": ("Phi3Config", dict(head_dim=16, num_key_value_heads=4)),
+    "gemma3_text": ("Gemma3TextConfig", dict(GEMMA3, rope_scaling=dict(rope_type="linear", factor=4.0))),
+    "gemma3_multimodal": ("Gemma3Config", dict(text_config={**TINY, **GEMMA3}, mm_tokens_per_image=4, image_token_index=63,
+                                               boi_token_index=62, eoi_token_index=61,
+                                               vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                                  num_attention_heads=2, image_size=28, patch_size=14))),
+}
+
+
+@pytest.fixture(scope="module", params=list(HF_FAMILIES))
+def hf_pair(request, tmp_path_factory):
+    """(transformers' model, ours loaded from the checkpoint it saved), random float64 weights."""
+    import transformers  # the tests' reference only: the library never imports it
+    config_class, options = HF_FAMILIES[request.param]
+    config = getattr(transformers, config_class)(**options if "text_config" in options else {**TINY, **options})
+    torch.manual_seed(0)
+    if config_class == "Gemma3Config":
+        hf = transformers.Gemma3ForConditionalGeneration(config)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    hf = hf.to(torch.float64).eval()
+    gemma = config_class.startswith("Gemma")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5) if gemma else p.uniform_(0.5, 1.5)  # Gemma scales by (1 + w)
+            else:
+                p.normal_(0, 0.3 if p.dim() > 1 else 0.1)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return hf, Transformer.from_pretrained(folder, "cpu", torch.float64)
+
+
+def test_every_family_matches_transformers_logits(hf_pair):
+    hf, ours = hf_pair
+    tokens = torch.randint(0, 60, (1, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=tokens).logits
+    torch.testing.assert_close(ours(tokens), want, rtol=0, atol=1e-4)
+
+
+def test_every_family_decodes_as_transformers_greedy(hf_pair):
+    """90 tokens past windows and the longrope switch, through the cache: greedy as transformers'
+    generate, and lookahead (dynamic and fixed) as greedy."""
+    hf, ours = hf_pair
+    prompt = torch.randint(0, 60, (1, 20), generator=torch.Generator().manual_seed(2))
+    want = hf.generate(input_ids=prompt, max_new_tokens=70, min_new_tokens=70, do_sample=False)[0, 20:].tolist()
+    assert greedy_decode(ours, prompt[0].tolist(), 70).tokens == want
+    assert lookahead_decode(ours, prompt[0].tolist(), 70).tokens == want
+    assert lookahead_decode(ours, prompt[0].tolist(), 70, window=4, ngram=4, guesses=4).tokens == want
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(family=st.sampled_from(list(FAMILY_OPTIONS)), seed=st.integers(0, 2**16), prompt_len=st.integers(1, 30),
+       max_new=st.integers(1, 40))
+def test_the_cached_steps_are_the_full_forward_at_every_position(family, seed, prompt_len, max_new):
+    """Greedy through the KV cache (masked steps, slot positions, the longrope switch) gives at
+    every step the argmax of a plain forward over the whole sequence so far: what transformers'
+    greedy decoding computes. Lookahead's exactness is checked against greedy elsewhere; this is
+    what makes greedy itself right."""
+    model = random_model(seed, vocab_size=16, max_seq_len=96, **FAMILY_OPTIONS[family])
+    prompt = torch.randint(0, 16, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    got = greedy_decode(model, prompt, max_new).tokens
+    seq = list(prompt)
+    for token in got:
+        assert int(model(torch.tensor([seq]))[0, -1].argmax()) == token
+        seq.append(token)
