@@ -74,6 +74,11 @@ def parse_config(text: str):
     return w, n, g
 
 
+def fixed(cfg) -> dict:
+    """A W,N,G configuration as lookahead_decode's options."""
+    return dict(zip(("window", "ngram", "candidates"), cfg))
+
+
 def load_prompts(path, tokenizer):
     prompts = PROMPTS
     if path:
@@ -129,7 +134,7 @@ def bench_batch(model, prompts, B, configs, names, greedy, lookahead, n_new, sto
             elif cfg is None:
                 out += lookahead_decode_batch(model, chunk, n_new, stop_ids=stop, costs=costs)
             else:
-                out += lookahead_decode_batch(model, chunk, n_new, *cfg, stop_ids=stop)
+                out += lookahead_decode_batch(model, chunk, n_new, **fixed(cfg), stop_ids=stop)
         return out
 
     def one_by_one(cfg):
@@ -228,7 +233,7 @@ def main(argv=None):
     def lookahead(ids, cfg):
         if cfg is None:
             return lookahead_decode(model, ids, n_new, stop_ids=stop, costs=costs)
-        return lookahead_decode(model, ids, n_new, *cfg, stop_ids=stop)
+        return lookahead_decode(model, ids, n_new, **fixed(cfg), stop_ids=stop)
 
     command = "python bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"{'' if args.readme else '# '}`{command}`: {machine(device)}, {str(dtype).removeprefix('torch.')}, "

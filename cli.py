@@ -59,10 +59,11 @@ def parse_args(argv):
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--window", type=int, default=None,
-                    help="W: columns of the lookahead window (0: none); with --guesses, a fixed shape")
+                    help="W: columns of the lookahead window (0: none); with --candidates, a fixed shape")
     ap.add_argument("--ngram", type=int, default=None, help="N: n-gram length (window levels + 1; default 5)")
-    ap.add_argument("--guesses", type=int, default=None,
-                    help="G: candidates verified per step (default: the dynamic shape, chosen per step)")
+    ap.add_argument("--candidates", type=int, default=None,
+                    help="G (the paper's guess set size): candidates verified per step (default: the dynamic "
+                         "shape, chosen per step)")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
     ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -95,9 +96,9 @@ def parse_args(argv):
         ap.error(f"unknown dtype {args.dtype!r} (one of {', '.join(DTYPES)})")
     if args.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         ap.error("this GPU does not support bfloat16; use --dtype float16")
-    if (args.window is None) != (args.guesses is None):
-        ap.error("a fixed shape needs both --window and --guesses (neither: the dynamic shape)")
-    for name, value, least in (("window", args.window, 0), ("ngram", args.ngram, 2), ("guesses", args.guesses, 0),
+    if (args.window is None) != (args.candidates is None):
+        ap.error("a fixed shape needs both --window and --candidates (neither: the dynamic shape)")
+    for name, value, least in (("window", args.window, 0), ("ngram", args.ngram, 2), ("candidates", args.candidates, 0),
                                ("max-new-tokens", args.max_new_tokens, 1)):
         if value is not None and value < least:
             ap.error(f"--{name} must be at least {least}, got {value}")
@@ -174,7 +175,7 @@ def main(argv=None):
                 out.append(f"   window level {i}: " + " ".join(piece(t) for t in level))
             for g, cand in enumerate(step["candidates"]):
                 mark = f"<- {step['accepted']} accepted" if g == step["winner"] and step["accepted"] else ""
-                source = "jacobi guess" if step["sources"][g] == "jacobi" else f"candidate {g}"
+                source = "jacobi guess" if step["sources"][g] == "jacobi" else f"candidate {g} ({step['sources'][g]})"
                 out.append(f"   {source}: " + " ".join(piece(t) for t in cand) + f"  {mark}")
             if not step["candidates"]:
                 out.append("   no candidates start with the last token")
@@ -192,7 +193,7 @@ def main(argv=None):
                 print(text, end="", flush=True)
 
             name = ("greedy" if greedy else "lookahead, dynamic shape" if args.window is None
-                    else f"lookahead W={args.window} N={args.ngram or 5} G={args.guesses}")
+                    else f"lookahead W={args.window} N={args.ngram or 5} G={args.candidates}")
             if not sampling.greedy:
                 name += f", temperature {sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
             try:
@@ -202,10 +203,11 @@ def main(argv=None):
                     gen = sample_decode(model, prompt_ids, args.max_new_tokens, sampling.temperature, sampling.top_k,
                                         sampling.top_p, args.seed, stop_ids, on_tokens if stream else None)
                 else:
-                    gen = lookahead_decode(model, prompt_ids, args.max_new_tokens, args.window, args.ngram,
-                                           args.guesses, stop_ids, seed=args.seed, on_tokens=on_tokens if stream else None,
-                                           temperature=sampling.temperature, top_k=sampling.top_k,
-                                           top_p=sampling.top_p, on_step=trace if args.trace else None)
+                    gen = lookahead_decode(model, prompt_ids, args.max_new_tokens, window=args.window, ngram=args.ngram,
+                                           candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
+                                           temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                           on_tokens=on_tokens if stream else None,
+                                           on_step=trace if args.trace else None)
             finally:
                 if stream:
                     print(out.flush(), flush=True)
@@ -252,8 +254,9 @@ def run_batch(args, model, tokenizer, prompts, stop_ids) -> int:
         if greedy:
             gens = greedy_decode_batch(model, prompts, args.max_new_tokens, stop_ids)
         else:
-            gens = lookahead_decode_batch(model, prompts, args.max_new_tokens, args.window, args.ngram, args.guesses,
-                                          stop_ids, args.seed, sampling.temperature, sampling.top_k, sampling.top_p)
+            gens = lookahead_decode_batch(model, prompts, args.max_new_tokens, window=args.window, ngram=args.ngram,
+                                          candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
+                                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
         runs.append((greedy, gens, time.perf_counter() - start))
     stop = set(stop_ids)
     for i, (ids, gen) in enumerate(zip(prompts, runs[-1][1])):

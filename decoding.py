@@ -168,6 +168,18 @@ def per_row(on_tokens):
     return on_tokens and (lambda _, ids: on_tokens(ids))
 
 
+def drop_finished(model: Transformer, active: list[int], done, gens: list[Generation], used: int, start) -> list[int]:
+    """The indices into `active` (the batch's rows, in the cache's row order) of the rows still
+    decoding; the finished ones get their wall time and leave the cache (their committed slots
+    are the first `used`), so that they cost nothing after."""
+    keep = [j for j, b in enumerate(active) if not done(b)]
+    for j in set(range(len(active))) - set(keep):
+        gens[active[j]].seconds = time.perf_counter() - start
+    if keep and len(keep) < len(active):
+        model.keep_rows(keep, used)
+    return keep
+
+
 def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, seed=0) -> list[Generation]:
     """Prefill, then one token per forward for each row, reusing the cache. Row b's last token
     sits at slot and position C[b]; every step runs every unfinished row's last token."""
@@ -186,13 +198,11 @@ def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, se
     for b in active:
         on_tokens and on_tokens(b, tokens[b])
     while True:
-        keep = [j for j, b in enumerate(active) if len(tokens[b]) < limits[b] and tokens[b][-1] not in stop]
-        for j in set(range(len(active))) - set(keep):
-            out[active[j]].seconds = time.perf_counter() - start
+        keep = drop_finished(model, active, lambda b: len(tokens[b]) >= limits[b] or tokens[b][-1] in stop, out,
+                             max(lengths[b] for b in active), start)
+        if not keep:
+            return out
         if len(keep) < len(active):  # finished rows leave the batch (and the cache)
-            if not keep:
-                return out
-            model.keep_rows(keep, max(lengths[b] for b in active))  # their committed slots
             active, C, next_tokens = [active[j] for j in keep], C[keep], next_tokens[keep]
         for j, b in enumerate(active):
             switch_rope(model, j, lengths[b], prompts[b] + tokens[b])

@@ -6,33 +6,64 @@ n-gram behind it. Lookahead decoding keeps a 2-D window of those guesses, pools 
 trace, and in the SAME forward verifies the pooled n-grams that start with the last token: what
 verification accepts is exactly what greedy decoding produces, and a step commits up to N tokens.
 
-Top to bottom: NGramPool; Tree (the candidates); window_layout and step_inputs (the mask);
-verify_greedy and verify_sampled; Sequence (a prompt's state: propose, verify, commit/rollback,
-the Jacobi guess, the window); lookahead_decode_batch (the loop: one forward per step for all
-rows; lookahead_decode is a batch of one). decoding.py has the request, the prefill and the
-baselines; shape.py the dynamic shape; cli.py the command line.
+One step, as lookahead_step runs it for every row of a batch:
+
+    propose -> plan -> inputs -> forward -> verify -> advance -> roll the cache back
+    (drafts)   (shape)  (mask)   (model)   (greedy   (commit, Jacobi     (keep the accepted
+                                            or        guess, window,      tokens' K/V)
+                                            sampled)  pool)
+
+Top to bottom: Candidate and DraftSource (what every source of guesses implements), NGramPool
+and JacobiGuess (the two built-in ones); Tree; window_layout and step_inputs (the mask); the two
+verifications; Sequence (a prompt's state); lookahead_step and the decoders. What each step runs
+is a policy, shape.py's FixedShape (the paper's W, N, G) or DynamicShape; decoding.py has the
+request, the prefill and the baselines.
 
 Words: a *guess* is one guessed token, a node of the trie; a *candidate* is a chain of guesses
-continuing the last token (a pooled n-gram's rest, or the Jacobi guess). The option `guesses`
-(G) keeps the paper's name, "guess set size": the candidates a fixed shape verifies.
+continuing the last token, from one draft source (a pooled n-gram's rest, the Jacobi guess).
+The fixed shape's `candidates` is the paper's G, its "guess set size".
 """
 import random
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
 
-from decoding import (Generation, Sampling, check_requests, ensure_cache, mask_width, per_row, prefill, step_room,
-                      switch_rope)
-from model import step_size
-from shape import STEP_COSTS, Acceptance, Shape, StepCosts, choose_shape, step_limits
+from decoding import (Generation, Sampling, check_requests, drop_finished, ensure_cache, mask_width, per_row, prefill,
+                      step_room, switch_rope)
+from shape import DynamicShape, FixedShape, Shape
 
 
-class NGramPool:
+@dataclass(frozen=True)
+class Candidate:
+    """A chain of guesses continuing `last`, and who made it: `source` names the draft source
+    (the dynamic shape learns how often each source's guesses are right); from_window marks an
+    n-gram the lookahead window made (it credits the window)."""
+    tokens: tuple
+    source: str
+    from_window: bool = False
+
+
+class DraftSource:
+    """Where guesses come from. `drafts(seq)` makes each row's sources when a request starts;
+    before every step propose(seq, k) returns candidate continuations of seq.tokens[-1], best
+    first, each of at most k guesses; after it observe(seq, step) sees the Verified step. Any
+    source is exact: verification accepts only the guesses greedy decoding would produce."""
+
+    def propose(self, seq: "Sequence", k: int) -> list[Candidate]:
+        return []
+
+    def observe(self, seq: "Sequence", step: "Verified"):
+        pass
+
+
+class NGramPool(DraftSource):
     """n-grams seen so far, keyed by their first token, at most `cap` per key, least recently
     seen evicted first (a repeated one moves to the recent end). Each remembers the tokens seen
-    right before it (for ranked) and whether the window made it (the dynamic shape credits it)."""
+    right before it (for ranked) and whether the window made it. Sequence fills it: the prompt's
+    n-grams, the window's, and the committed text's."""
 
     def __init__(self, cap: int):
         self.cap = cap
@@ -53,16 +84,44 @@ class NGramPool:
             entries[rest][0].add(before)
 
     def ranked(self, key, before=None) -> list[tuple]:
-        """The continuations of `key` (the n-grams without their first token), as (rest, seen
-        after `before`?, from the window?): first those seen after `before`, the token before
-        `key` now, then the rest; most recent first in each. Two tokens of context pick better
-        than one when there are more n-grams than guesses to verify (measured: the summary prompt
-        commits 3.2 tokens per step at 1,4,1 instead of 2.1)."""
+        """The continuations of `key` as (rest, seen after `before`?, from the window?): those seen
+        after `before` (the token before `key` now) first, most recent first in each. Two tokens of
+        context pick better than one (the summary prompt: 3.2 tokens per step at 1,4,1, not 2.1)."""
         entries = [(rest, before in seen, win) for rest, (seen, win) in reversed(self.by_key.get(key, {}).items())]
         return [e for e in entries if e[1]] + [e for e in entries if not e[1]]
 
+    def propose(self, seq, k):
+        """The pooled n-grams that start with `last`: "pool2" those that also matched the token
+        before it (two tokens of context), "pool1" the others."""
+        before = seq.tokens[-2] if len(seq.tokens) > 1 else seq.prompt[-1]
+        return [Candidate(rest[:k], "pool2" if after else "pool1", win)
+                for rest, after, win in self.ranked(seq.tokens[-1], before)]
 
-POOL_MIN_PER_KEY = 8  # n-grams kept per key even where fewer are verified, so a small G picks from several
+
+class JacobiGuess(DraftSource):
+    """The model's own predictions left over from the step before. The first rejected guess's
+    rows predicted what follows the commit from a context wrong in one token: as in Jacobi
+    decoding, a guess for the next step, and often right.
+
+        accepted   last  a0         rejected: a1 (the model said b)   commits a0, b
+        rows       a1 -> p1, a2 -> p2            Jacobi guess next step: [p1, p2]
+    """
+
+    def __init__(self):
+        self.guess = []
+
+    def propose(self, seq, k):
+        return [Candidate(tuple(self.guess[:k]), "jacobi")] if self.guess else []
+
+    def observe(self, seq, step):
+        tree = step.tree
+        rejected = next(iter(tree.children[step.path[-1] if step.path else 0].values()), None)
+        self.guess = [step.pred[v] for v in tree.first_chain(rejected)] if rejected else []
+
+
+def default_drafts(seq: "Sequence") -> list[DraftSource]:
+    """The paper's sources: the n-gram pool, then the Jacobi guess."""
+    return [seq.pool, JacobiGuess()]
 
 
 class Tree:
@@ -81,18 +140,20 @@ class Tree:
                                                       c   d     f         i
 
     Children keep the candidates' order (dicts keep insertion order), so the first child is
-    the best-ranked candidate through a node."""
+    the best-ranked candidate through a node; origin[node] is that candidate's index."""
 
-    def __init__(self, last: int):
-        self.tokens, self.parent, self.depth = [last], [-1], [0]
+    def __init__(self, last: int, candidates=()):
+        self.tokens, self.parent, self.depth, self.origin = [last], [-1], [0], [None]
         self.children: list[dict] = [{}]  # node -> {token: child node}
-        self.kind = [None]  # "context", "pool" or "jacobi": the source of the first candidate through it
-        self.from_window = [False]
-        self.chains: list[tuple] = []  # the candidates as given: (tokens, kind, from_window)
+        self.candidates: list[Candidate] = []
+        for candidate in candidates:
+            self.add(candidate)
 
-    def add(self, chain, kind="pool", from_window=False):
+    def add(self, candidate: Candidate):
+        if not candidate.tokens:
+            return
         v = 0
-        for tok in chain:
+        for tok in candidate.tokens:
             child = self.children[v].get(tok)
             if child is None:
                 child = len(self.tokens)
@@ -100,34 +161,32 @@ class Tree:
                 self.tokens.append(tok)
                 self.parent.append(v)
                 self.depth.append(self.depth[v] + 1)
+                self.origin.append(len(self.candidates))
                 self.children.append({})
-                self.kind.append(kind)
-                self.from_window.append(from_window)
             v = child
-        if chain:
-            self.chains.append((tuple(chain), kind, from_window))
+        self.candidates.append(candidate)
 
     def __len__(self):
         return len(self.tokens)
 
-    def rank(self, node) -> int:
-        """0 for the first child of its parent, 1 for the second, ..."""
-        return list(self.children[self.parent[node]].values()).index(node)
-
     def keep(self, nodes) -> "Tree":
         """The sub-trie of these nodes (closed under parents), rebuilt from the candidates in
-        their order, so each node keeps the source of the first candidate through it."""
+        their order, so each node keeps the first candidate through it."""
         keep = set(nodes) | {0}
-        out = Tree(self.tokens[0])
-        for chain, kind, from_window in self.chains:
+        out = self.replaced(())
+        for candidate in self.candidates:
             v, kept = 0, []
-            for tok in chain:
+            for tok in candidate.tokens:
                 v = self.children[v][tok]
                 if v not in keep:
                     break
                 kept.append(tok)
-            out.add(kept, kind, from_window)
+            out.add(replace(candidate, tokens=tuple(kept)))
         return out
+
+    def replaced(self, candidates) -> "Tree":
+        """The trie of other candidates for the same `last`."""
+        return Tree(self.tokens[0], candidates)
 
     def first_chain(self, node) -> list[int]:
         """Node, its first child, that one's first child, ...: the best-ranked candidate's rest."""
@@ -246,32 +305,41 @@ def verify_sampled(tree: Tree, probs, rng, gen) -> tuple[list[int], int]:
     return path, torch.multinomial(probs[v], 1, generator=gen).item()
 
 
-class Sequence:
-    """One prompt's lookahead state, a row of the batch: committed tokens, pool, window, Jacobi
-    guess, acceptance. The loop asks every row for its part of a step (propose, fixed_shape or
-    choose_shape, inputs), runs one forward for all, and hands each row its logits (verify)."""
+@dataclass
+class Verified:
+    """What one row's step did, for the draft sources, the policy and the loop: the trie run and
+    w window columns, the model's prediction after every row read (pred), the accepted nodes
+    (path), the tokens committed, and the cache slots (after C) holding the committed K/V."""
+    tree: Tree
+    w: int
+    pred: list[int]
+    path: list[int]
+    committed: list[int]
+    slots: list[int]
 
-    def __init__(self, prompt_ids, max_new_tokens, N, W, G, dynamic, sampling, seed, stop, dev,
-                 output_ngrams, jacobi_guess):
-        self.prompt, self.max_new, self.stop = list(prompt_ids), max_new_tokens, stop
-        self.N, self.levels, self.W, self.G, self.dynamic = N, N - 1, W, G, dynamic
-        self.sampling, self.output_ngrams, self.jacobi_guess = sampling, output_ngrams, jacobi_guess
+
+class Sequence:
+    """One prompt's lookahead state, a row of the batch: committed tokens, window, n-gram pool,
+    draft sources. The loop asks every row to propose, runs one forward for all, and hands each
+    row what verification decided (advance)."""
+
+    def __init__(self, prompt_ids, max_new_tokens, N, pool_cap, sampling, seed, stop, dev, output_ngrams, drafts):
+        self.prompt, self.max_new, self.stop, self.N = list(prompt_ids), max_new_tokens, stop, N
+        self.sampling, self.output_ngrams = sampling, output_ngrams
         self.C = len(prompt_ids)  # committed slots: `last` (tokens[-1]) sits at slot and position C
         self.tokens = []
         self.out = Generation(self.tokens, 0, 0.0)  # the same list: its tokens grow with commit
-        self.acceptance = Acceptance()
-        # Window: level 0 starts as random prompt tokens (any guess converges; seeded, so runs
-        # repeat), and grows a level a step up to N-1; verification does not wait for it.
+        # Window: up to N-1 levels of columns; a column's level 0 starts as a random prompt token
+        # (any guess converges; seeded, so runs repeat). Verification does not wait for it to fill.
+        self.window = []
         self.window_rng, self.rng = random.Random(seed), random.Random(seed + 1)
-        self.window = [[self.window_rng.choice(self.prompt) for _ in range(W)]] if W and not dynamic else []
         self.gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
         # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies
         # (commit adds the n-grams of the committed text as it grows).
-        self.pool = NGramPool(max(G, POOL_MIN_PER_KEY) if G else 0)
+        self.pool = NGramPool(pool_cap)
         for i in range(len(self.prompt) - N + 1):
             self.pool.add(self.prompt[i:i + N], self.prompt[i - 1] if i else None)
-        self.context = list(self.prompt)  # and the committed tokens, for output_ngrams
-        self.jacobi = []  # the model's predictions left over from the last step (verify)
+        self.sources = (drafts or default_drafts)(self)
 
     @property
     def done(self) -> bool:
@@ -284,139 +352,157 @@ class Sequence:
         new_tokens = new_tokens[:next((i + 1 for i, t in enumerate(new_tokens) if t in self.stop), None)]
         self.tokens += new_tokens
         if self.output_ngrams:
-            N, context = self.N, self.context
-            context.extend(new_tokens)
-            for end in range(max(N, len(context) - len(new_tokens) + 1), len(context) + 1):
-                self.pool.add(context[end - N:end], context[end - N - 1] if end > N else None)
+            N, text = self.N, self.prompt + self.tokens
+            for end in range(max(N, len(text) - len(new_tokens) + 1), len(text) + 1):
+                self.pool.add(text[end - N:end], text[end - N - 1] if end > N else None)
         return new_tokens
 
-    def propose(self) -> Tree:
-        """1. Propose: a trie of candidate continuations of `last`. Pooled n-grams that start
-        with `last`, those seen after the same token as now first, then the Jacobi guess. They
-        need not guess past max_new_tokens. (The place to plug in any other draft source.)"""
-        last = self.tokens[-1]
-        K = min(self.levels, self.max_new - len(self.tokens) - 1)
-        before = self.tokens[-2] if len(self.tokens) > 1 else self.prompt[-1]  # the token before `last`
-        tree = Tree(last)
-        if K > 0:
-            pooled = self.pool.ranked(last, before)[:self.G]
-            for rest, in_context, from_window in pooled:
-                tree.add(rest[:K], "context" if in_context else "pool", from_window)
-            if self.jacobi and (self.dynamic or len(pooled) < self.G):
-                # A fixed shape pads it to K guesses with its last token (costs a slot, never
-                # exactness); the dynamic one leaves that to the chances of real guesses.
-                pad = [] if self.dynamic else self.jacobi[-1:] * (K - len(self.jacobi))
-                tree.add((self.jacobi + pad)[:K], "jacobi")
-        return tree
-
-    def fixed_shape(self, tree: Tree, budget: int) -> tuple[Tree, int, Shape]:
-        """2. A fixed shape verifies every guess and runs the whole window; near the end of the
-        cache the window sits out and the trie shrinks to what still fits."""
-        L = len(self.window)
-        w = self.W if step_size(len(tree) + self.W * L) <= budget else 0
-        if step_size(len(tree) + w * L) > budget:
-            tree = tree.keep(range(1, 1 << (budget.bit_length() - 1)))
-        return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
+    def propose(self) -> list[Candidate]:
+        """1. Propose: every draft source's continuations of `last`, in the sources' order (the
+        pool's, then the Jacobi guess). None need guess past max_new_tokens."""
+        k = min(self.N - 1, self.max_new - len(self.tokens) - 1)
+        if k <= 0:
+            return []
+        return [replace(c, tokens=tuple(c.tokens[:k])) for s in self.sources for c in s.propose(self, k) if c.tokens]
 
     def inputs(self, tree: Tree, w: int, size: int):
-        """The row's part of the step, padded to `size` (step_inputs). A dynamic window keeps
-        its columns while its width stays; narrowed, it loses its rightmost ones; widened, new
-        columns start from random prompt tokens, as the first one does."""
-        if w and not self.window:
-            self.window = [[self.window_rng.choice(self.prompt) for _ in range(w)]]
-        elif w and self.dynamic:
-            self.window = [level[:w] + [self.window_rng.choice(self.prompt) for _ in range(w - len(level))]
-                           for level in self.window]
+        """The row's part of the step, padded to `size` (step_inputs), with w window columns: a
+        new column starts from a random prompt token; a narrowed window loses its rightmost ones."""
+        if w:
+            fresh = lambda n: [self.window_rng.choice(self.prompt) for _ in range(n)]
+            self.window = [level[:w] + fresh(w - len(level)) for level in self.window] or [fresh(w)]
         return step_inputs(tree, self.window, w, size)
 
-    def verify(self, tree: Tree, w: int, shape: Shape, pred: list[int], logits, on_step=None) -> list[int]:
-        """Steps 4 to 7 for this row, given its logits rows (pred: their argmax). Returns the cache
-        slots (after C) whose K/V are now committed, in order; the loop moves them (rollback)."""
-        n, C = len(tree), self.C
-        new_level = pred[n:n + w]
-
-        # 4. Verify the guesses against the model's own choices (greedy: its argmax; sampling:
-        #    a rejection test that keeps plain sampling's distribution).
-        if self.sampling.greedy:
-            path, bonus = verify_greedy(tree, pred)
-        else:
-            path, bonus = verify_sampled(tree, self.sampling.probs(logits[:n]), self.rng, self.gen)
-
-        # 5. Commit and roll back: `last` is in slot C; the accepted guesses' K/V move from their
-        #    slots (node i is in slot C + i) to C+1... as they are: same tokens, same positions,
-        #    exactly the committed context, so what a sequential run would have written. The rest
-        #    of the step's slots lie past the committed length: overwritten next step.
-        src = [C] + [C + v for v in path]
-        self.C = C + len(src)
-        # The first rejected guess's rows predicted what follows the commit, from a context wrong
-        # in one token: as in Jacobi decoding, a guess for the next step, and often right.
-        #     accepted   last  a0         rejected: a1 (the model said b)   commits a0, b
-        #     rows       a1 -> p1, a2 -> p2            Jacobi guess next step: [p1, p2]
-        end = path[-1] if path else 0
-        rejected = next(iter(tree.children[end].values()), None)
-        self.jacobi = [pred[v] for v in tree.first_chain(rejected)] if rejected and self.jacobi_guess else []
-        self.acceptance.record(tree, path, w)
+    def advance(self, tree: Tree, w: int, pred: list[int], path: list[int], bonus: int, shape: Shape,
+                on_step=None) -> Verified:
+        """5 to 7 for this row, once verification accepted `path` and the `bonus` token."""
+        # 5. Roll back: `last` is in slot C; the accepted guesses' K/V move from their slots (node
+        #    i is in slot C + i) to C+1... as they are: same tokens, same positions, exactly the
+        #    committed context, so what a sequential run would have written. The rest of the
+        #    step's slots lie past the committed length: overwritten next step.
+        slots = [self.C] + [self.C + v for v in path]
+        self.C += len(slots)
         trace = on_step and self.trace(tree, w, shape, path)  # before the window moves on
-
-        # 6. Jacobi update: the newest level's predictions become a new level; once the window
-        #    is full, each column plus its prediction is an N-gram for the pool, and the oldest
-        #    level drops out. Its positions stay relative to `last`: after a multi-token step
-        #    the window is not realigned with the text (this costs acceptance, never exactness).
-        window = self.window
-        if w:
-            if len(window) == self.levels:
-                for j in range(w):
-                    # column j's trajectory continues level 0 after its column j-1 (or `last`)
-                    self.pool.add([level[j] for level in window] + [new_level[j]],
-                                  window[0][j - 1] if j else tree.tokens[0], from_window=True)
-                window.pop(0)
-            window.append(new_level)
-
-        # 7. Stop exactly where greedy would: at a stop id, or at max_new_tokens.
-        new_tokens = self.commit([tree.tokens[v] for v in path] + [bonus])
-        on_step and on_step({**trace, "committed": new_tokens})
+        self.jacobi_update(tree.tokens[0], pred[len(tree):len(tree) + w])
+        # 7. Commit, stopping exactly where greedy would: at a stop id, or at max_new_tokens;
+        #    then every draft source sees the step.
+        step = Verified(tree, w, pred, path, self.commit([tree.tokens[v] for v in path] + [bonus]), slots)
+        for source in self.sources:
+            source.observe(self, step)
+        on_step and on_step({**trace, "committed": step.committed})
         self.out.steps += 1
-        self.out.committed.append(len(new_tokens))
+        self.out.committed.append(len(step.committed))
         self.out.shapes.append(shape)
-        return src
+        return step
+
+    def jacobi_update(self, last: int, new_level: list[int]):
+        """6. The window's Jacobi update: the newest level's predictions become a new level; once
+        the window is full, each column plus its prediction is an N-gram for the pool, and the
+        oldest level drops out. Its positions stay relative to `last`: after a multi-token step
+        the window is not realigned with the text (this costs acceptance, never exactness)."""
+        window = self.window
+        if not new_level:
+            return  # no window this step
+        if len(window) == self.N - 1:
+            for j in range(len(new_level)):
+                # column j's trajectory continues level 0 after its column j-1 (or `last`)
+                self.pool.add([level[j] for level in window] + [new_level[j]], window[0][j - 1] if j else last,
+                              from_window=True)
+            window.pop(0)
+        window.append(new_level)
 
     def trace(self, tree, w, shape, path) -> dict:
         """What a step did, for on_step (--trace)."""
         accepted = [tree.tokens[v] for v in path]
-        winner = next((g for g, (c, *_) in enumerate(tree.chains) if list(c[:len(accepted)]) == accepted), 0)
+        winner = next((g for g, c in enumerate(tree.candidates) if list(c.tokens[:len(accepted)]) == accepted), 0)
         return dict(step=self.out.steps, shape=shape, last=tree.tokens[0],
                     window=[level[:w] for level in self.window[:shape.levels]],
-                    candidates=[list(c) for c, *_ in tree.chains], sources=[k for _, k, _ in tree.chains],
-                    jacobi=bool(tree.chains) and tree.chains[-1][1] == "jacobi", winner=winner, accepted=len(path))
+                    candidates=[list(c.tokens) for c in tree.candidates],
+                    sources=[c.source for c in tree.candidates], winner=winner, accepted=len(path))
+
+
+def verify(row: Sequence, tree: Tree, pred: list[int], logits) -> tuple[list[int], int]:
+    """4. Verify the guesses against the model's own choices (greedy: its argmax; sampling: a
+    rejection test that keeps plain sampling's distribution)."""
+    if row.sampling.greedy:
+        return verify_greedy(tree, pred)
+    return verify_sampled(tree, row.sampling.probs(logits[:len(tree)]), row.rng, row.gen)
+
+
+def pack_inputs(model, batch: list[Sequence], parts: list, T: int):
+    """The step's inputs for every row, built on the host and sent in ONE host-to-device copy
+    (five tensors a row would be five copies, each a sync point on a GPU): tokens (B, T),
+    positions (B, T), slots (B, T), the mask (B, T, S) and the logits rows to read (B, R)."""
+    dev, B = model.device, len(batch)
+    R = max(len(read) for *_, read in parts)
+    packed = torch.cat([torch.cat((seq, offsets, block.flatten(), torch.tensor(read + read[:1] * (R - len(read))),
+                                   torch.tensor([row.C]))) for row, (seq, offsets, block, read) in zip(batch, parts)]
+                       ).to(dev).view(B, -1)
+    tokens, offsets, block, read, C = packed.split((T, T, T * T, R, 1), dim=1)
+    slots = C + torch.arange(T, device=dev)  # row b's step sits in its slots C_b .. C_b+T-1
+    S = mask_width(model, max(row.C for row in batch) + T)
+    mask = (torch.arange(S, device=dev) < C)[:, None].repeat(1, T, 1)  # (B, T, S): the committed slots
+    mask.scatter_(2, slots[:, None].expand(B, T, T), block.view(B, T, T).bool())  # and the row's own block
+    return tokens, C + offsets, slots, mask, read
+
+
+def lookahead_step(model, policy, batch: list[Sequence], on_step=None):
+    """One forward for every row: propose, plan, inputs, forward, verify, advance, roll back."""
+    start = time.perf_counter()
+    budget = min(policy.largest, *(step_room(model, row.C) for row in batch))
+    for j, row in enumerate(batch):
+        switch_rope(model, j, row.C, row.prompt + row.tokens)
+    # 1. Every row proposes its candidates (Sequence.propose), merged into a trie.
+    trees = [Tree(row.tokens[-1], row.propose()) for row in batch]
+    # 2. The policy shapes the step: which guesses and how many window columns each row runs,
+    #    padded to one size T of the menu (FixedShape: the paper's; DynamicShape: measured).
+    plans = policy.plan(batch, trees, budget)
+    T = max(shape.size for _, _, shape in plans)
+    # 3. One forward over every row's [tree | window | padding] under the combined mask.
+    parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(batch, plans)]
+    logits = model.step(*pack_inputs(model, batch, parts, T))  # (B, R, V)
+    pred = logits.argmax(-1).tolist()  # the one host sync per greedy step
+    # 4 to 7. Every row verifies its guesses and advances; then the cache keeps what each committed.
+    steps = [row.advance(tree, w, pred[j], *verify(row, tree, pred[j], logits[j]), shape,
+                         on_step and (lambda s, j=j: on_step(j, s)))
+             for j, (row, (tree, w, shape)) in enumerate(zip(batch, plans))]
+    model.rollback([step.slots for step in steps])
+    policy.observe(batch, steps, T, time.perf_counter() - start)
+
+
+def shape_policy(model, window, ngram, candidates, costs):
+    """The paper's fixed shape when window and candidates are given, else the dynamic one."""
+    N = 5 if ngram is None else ngram
+    if N < 2:
+        raise ValueError(f"need ngram >= 2 (got {N})")
+    if window is None and candidates is None:
+        return DynamicShape(N, model, costs)
+    if window is None or candidates is None:
+        raise ValueError("a fixed shape needs both window and candidates (neither: the dynamic shape)")
+    return FixedShape(window, N, candidates)
 
 
 @torch.inference_mode()
-def lookahead_decode(model, prompt_ids, max_new_tokens, window=None, ngram=None, guesses=None, stop_ids=(),
-                     seed=0, output_ngrams=True, jacobi_guess=True, on_tokens=None,
-                     temperature=0.0, top_k=0, top_p=1.0, on_step=None, costs=None) -> Generation:
-    """Several tokens per forward. Greedy by default, and then the tokens equal greedy_decode's;
-    with temperature/top_k/top_p the tokens are distributed exactly as sample_decode's.
-    window W (columns), ngram N (5 if None: the window's N-1 levels, at most N-1 guesses a
-    candidate), guesses G (candidates verified): given W and G, that fixed shape every step (the
-    paper's configurations); neither (the default), the dynamic shape: before every step
-    choose_shape (shape.py) picks the guesses and window columns for the most expected tokens per
-    second, from the acceptance seen and the step costs measured (StepCosts, kept per model;
-    `costs` replaces it). The pool starts with the prompt's n-grams; output_ngrams: also those of
-    the committed text. jacobi_guess: also verify the predictions left over from the step before
-    (with a fixed shape only when the pool offers fewer than G candidates). on_tokens(new ids) as
-    tokens are committed; on_step(dict) after each step, for --trace. Measured costs make the
-    dynamic shapes, so a seed's sampled tokens (not their distribution) depend on timing: a fixed
-    shape or `costs` repeats a sampled run."""
-    return lookahead_decode_batch(model, [prompt_ids], max_new_tokens, window, ngram, guesses, stop_ids, seed,
-                                  temperature, top_k, top_p, per_row(on_tokens), costs,
-                                  output_ngrams, jacobi_guess, on_step and (lambda _, step: on_step(step)))[0]
+def lookahead_decode(model, prompt_ids, max_new_tokens, *, window=None, ngram=None, candidates=None, stop_ids=(),
+                     seed=0, temperature=0.0, top_k=0, top_p=1.0, output_ngrams=True, drafts=None, costs=None,
+                     on_tokens=None, on_step=None) -> Generation:
+    """Several tokens per forward: greedy_decode's tokens (sampling with temperature/top_k/top_p:
+    sample_decode's distribution). window W, ngram N (default 5), candidates G: that fixed shape
+    every step (the paper's); neither W nor G: the dynamic shape, chosen per step from the
+    acceptance seen and the step costs measured (`costs` replaces them; with measured costs a
+    seed's sampled tokens depend on timing). output_ngrams: pool the committed text's n-grams too
+    (the prompt's always). drafts(seq) -> the row's DraftSources (default: the pool, the Jacobi
+    guess). on_tokens(new ids) as tokens are committed; on_step(dict) after each step (--trace)."""
+    return lookahead_decode_batch(model, [prompt_ids], max_new_tokens, window=window, ngram=ngram,
+                                  candidates=candidates, stop_ids=stop_ids, seed=seed, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, output_ngrams=output_ngrams, drafts=drafts, costs=costs,
+                                  on_tokens=per_row(on_tokens), on_step=on_step and (lambda _, s: on_step(s)))[0]
 
 
 @torch.inference_mode()
-def lookahead_decode_batch(model, prompts, max_new_tokens, window=None, ngram=None, guesses=None, stop_ids=(),
-                           seed=0, temperature=0.0, top_k=0, top_p=1.0, on_tokens=None, costs=None,
-                           output_ngrams=True, jacobi_guess=True,
-                           on_step=None) -> list[Generation]:
+def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram=None, candidates=None, stop_ids=(),
+                           seed=0, temperature=0.0, top_k=0, top_p=1.0, output_ngrams=True, drafts=None, costs=None,
+                           on_tokens=None, on_step=None) -> list[Generation]:
     """lookahead_decode for several prompts, one forward per step for all of them: row b is
     exactly its own lookahead_decode (seed + b), with its own window, pool, shape and rollback.
 
@@ -425,19 +511,16 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, window=None, ngram=No
         row 0   [ last | guesses | window | padding ]   slots C0 .. C0+T-1 of cache row 0
         row 1   [ last | guesses | window .......... ]   slots C1 .. C1+T-1 of cache row 1
 
-    A row's mask is its committed slots plus its own block: rows never see each other. The
-    dynamic shape chooses T for the batch (costs measured for B-row steps), each row its guesses
-    and window within T. A finished row leaves the batch and the cache. on_tokens(row, new ids),
-    on_step(row, dict)."""
-    dynamic, N, W, G, step_max = step_limits(window, ngram, guesses)
+    A row's mask is its committed slots plus its own block: rows never see each other. A finished
+    row leaves the batch and the cache. on_tokens(row, new ids), on_step(row, dict)."""
+    policy = shape_policy(model, window, ngram, candidates, costs)
     sampling = Sampling(temperature, top_k, top_p)
     start = time.perf_counter()
     limits = check_requests(model, prompts, max_new_tokens)
     longest = max(len(p) + m - 1 for p, m in zip(prompts, limits))
-    ensure_cache(model, min(model.args.max_seq_len, longest + step_max), len(prompts))
-    dev, stop = model.device, set(stop_ids)
-    rows = [Sequence(p, m, N, W, G, dynamic, sampling, seed + b, stop, dev, output_ngrams, jacobi_guess)
-            for b, (p, m) in enumerate(zip(prompts, limits))]
+    ensure_cache(model, min(model.args.max_seq_len, longest + policy.largest), len(prompts))
+    rows = [Sequence(p, m, policy.N, policy.pool_cap, sampling, seed + b, set(stop_ids), model.device, output_ngrams,
+                     drafts) for b, (p, m) in enumerate(zip(prompts, limits))]
 
     first = sampling.pick(prefill(model, prompts), [row.gen for row in rows])[:, 0].tolist()
     for b, row in enumerate(rows):
@@ -445,56 +528,15 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, window=None, ngram=No
         kept = row.commit(first[b:b + 1])
         on_tokens and on_tokens(b, kept)
     active = list(range(len(rows)))  # the rows still decoding, in the cache's row order
-    while True:
-        keep = [j for j, b in enumerate(active) if not rows[b].done]
-        for j in set(range(len(active))) - set(keep):
-            rows[active[j]].out.seconds = time.perf_counter() - start
-        if len(keep) < len(active):  # finished rows leave the batch (and the cache)
-            if not keep:
-                break
-            model.keep_rows(keep, max(rows[b].C for b in active))
-            active = [active[j] for j in keep]
-        step_start = time.perf_counter()
-        batch = [rows[b] for b in active]
-        B, budget = len(batch), min(step_max, *(step_room(model, row.C) for row in batch))
-        for j, row in enumerate(batch):
-            switch_rope(model, j, row.C, row.prompt + row.tokens)
-        step_costs = costs or STEP_COSTS.setdefault(model, {}).setdefault(B, StepCosts())
-
-        # 1. Every row proposes its guesses (Sequence.propose).
-        trees = [row.propose() for row in batch]
-        # 2. Shape the step: which guesses and how many window columns each row runs, padded to
-        #    a size T of the menu. Dynamic: the best expected tokens per second (choose_shape).
-        if dynamic:
-            plans = choose_shape([(tree, row.acceptance, len(row.window) or 1, W) for row, tree in zip(batch, trees)],
-                                 step_costs, budget)
-        else:
-            plans = [row.fixed_shape(tree, budget) for row, tree in zip(batch, trees)]
-        T = max(shape.size for _, _, shape in plans)
-
-        # 3. One forward over every row's [tree | window | padding] under the combined mask,
-        #    built on the device from the rows' in-step blocks (one host-to-device copy).
-        parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(batch, plans)]
-        R = max(len(read) for *_, read in parts)
-        packed = torch.cat([torch.cat((seq, offsets, block.flatten(), torch.tensor(read + read[:1] * (R - len(read))),
-                                       torch.tensor([row.C]))) for row, (seq, offsets, block, read) in zip(batch, parts)]
-                           ).to(dev).view(B, -1)
-        seq, offsets, block, read, C = packed.split((T, T, T * T, R, 1), dim=1)
-        slots = C + torch.arange(T, device=dev)  # (B, T): row b's step sits in its slots C_b..C_b+T-1
-        S = mask_width(model, max(row.C for row in batch) + T)
-        mask = (torch.arange(S, device=dev) < C)[:, None].repeat(1, T, 1)  # (B, T, S): the committed slots
-        mask.scatter_(2, slots[:, None].expand(B, T, T), block.view(B, T, T).bool())  # and the row's block
-        logits = model.step(seq, C + offsets, slots, mask, read)  # (B, R, V)
-        pred = logits.argmax(-1).tolist()  # the one host sync per greedy step
-
-        # 4 to 7. Every row verifies and commits its guesses; their K/V move in one copy.
-        moves = [row.verify(tree, w, shape, pred[j], logits[j], on_step and (lambda s, b=b: on_step(b, s)))
-                 for j, (b, row, (tree, w, shape)) in enumerate(zip(active, batch, plans))]
-        model.commit(moves)
-        step_costs.record(T, time.perf_counter() - step_start)
-        for b, row in zip(active, batch):
-            on_tokens and on_tokens(b, row.tokens[len(row.tokens) - row.out.committed[-1]:])
-    return [row.out for row in rows]
+    while True:  # finished rows leave the batch (and the cache)
+        keep = drop_finished(model, active, lambda b: rows[b].done, [row.out for row in rows],
+                             max(rows[b].C for b in active), start)
+        if not keep:
+            return [row.out for row in rows]
+        active = [active[j] for j in keep]
+        lookahead_step(model, policy, [rows[b] for b in active], on_step and (lambda j, s: on_step(active[j], s)))
+        for b in active:
+            on_tokens and on_tokens(b, rows[b].tokens[len(rows[b].tokens) - rows[b].out.committed[-1]:])
 
 
 if __name__ == "__main__":  # the command line lives in cli.py; `python lookahead.py --prompt ...` runs it

@@ -288,7 +288,7 @@ class Transformer(nn.Module):
         to inspect the cache."""
         return torch.stack([torch.stack((l.self_attn.k_cache, l.self_attn.v_cache)) for l in self.layers])
 
-    def commit(self, moves: list[list[int]]):
+    def rollback(self, moves: list[list[int]]):
         """Row b's accepted tokens have their K/V in slots moves[b], in order: move them to follow
         one another from slot moves[b][0], in one gather and scatter per layer for all rows.
 

@@ -1,35 +1,92 @@
-"""The dynamic shape: before every step, how many guesses and window columns to run.
+"""What each step runs: the policy behind lookahead decoding, apart from the algorithm.
 
-Lookahead decoding verifies any guesses exactly; what it should guess depends on what a step
-costs on this device and on how often guesses like these were right. choose_shape maximises the
-expected committed tokens per second from two online estimates: StepCosts (seconds per step size,
-measured) and Acceptance (how often each kind of guess was right in this request). The
-guesses come as lookahead.Tree tries.
+A policy has two calls: plan(rows, trees, budget) -> for every row the trie of guesses to verify,
+the window columns to run and the step's Shape; observe(rows, steps, T, seconds) after the step.
+FixedShape is the paper's (W, N, G every step). DynamicShape chooses per step: lookahead decoding
+verifies any guesses exactly, and what it should guess depends on what a step costs on this
+device and on how often guesses like these were right. choose_shape maximises the expected
+committed tokens per second from two online estimates: StepCosts (seconds per step size,
+measured) and Acceptance (how often each source's guesses were right in this request). The
+guesses come as lookahead.Tree tries of lookahead.Candidate chains.
 """
 import math
 import statistics
 import weakref
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from model import STEP_SIZES, step_size
 
 # The dynamic shape's limits: window columns, pooled n-grams per key, tokens per step.
 MAX_WINDOW, MAX_CANDIDATES, MAX_STEP = 16, 16, STEP_SIZES[-1]
+POOL_MIN_PER_KEY = 8  # n-grams kept per key even where fewer are verified, so a small G picks from several
 
 
-def step_limits(window, ngram, guesses):
-    """-> (dynamic?, N, W, G, the largest step size) for lookahead_decode's window, ngram and
-    guesses: both window and guesses None is the dynamic shape, up to its limits."""
-    dynamic = window is None and guesses is None
-    if not dynamic and (window is None or guesses is None):
-        raise ValueError("a fixed shape needs both window and guesses (neither: the dynamic shape)")
-    N = 5 if ngram is None else ngram
-    W, G = (MAX_WINDOW, MAX_CANDIDATES) if dynamic else (window, guesses)
-    if W < 0 or N < 2 or G < 0:
-        raise ValueError(f"need window >= 0, ngram >= 2, guesses >= 0 (got {W}, {N}, {G})")
-    size = step_size(1 + (W + G) * (N - 1))  # last, the window and every candidate's guesses
-    return dynamic, N, W, G, min(MAX_STEP, 2 * size) if dynamic else size
+@dataclass
+class Shape:
+    """What a step ran: window columns x levels, guesses in the trie, tokens padded to `size`,
+    and (dynamic steps) the tokens it was expected to commit and its estimated cost against the
+    cheapest step."""
+    window: int
+    levels: int
+    guesses: int
+    size: int
+    expected: float = 0.0
+    cost: float = 0.0
+
+
+class FixedShape:
+    """The paper's shape: every step the first G candidates, each padded to N-1 guesses with its
+    last token (a slot's cost, never exactness), and the whole window, W columns x N-1 levels.
+    Near the end of the cache the window sits out and the trie shrinks to what still fits."""
+
+    def __init__(self, W: int, N: int, G: int):
+        if W < 0 or G < 0:
+            raise ValueError(f"need window >= 0 and candidates >= 0 (got {W}, {G})")
+        self.W, self.N, self.G = W, N, G
+        self.pool_cap = max(G, POOL_MIN_PER_KEY) if G else 0
+        self.largest = step_size(1 + (W + G) * (N - 1))  # last, the window and every candidate's guesses
+
+    def plan(self, rows, trees, budget: int) -> list[tuple]:
+        return [self.plan_row(row, tree, budget) for row, tree in zip(rows, trees)]
+
+    def plan_row(self, row, tree, budget: int):
+        K = min(self.N - 1, row.max_new - len(row.tokens) - 1)  # the guesses a candidate may make
+        tree = tree.replaced([replace(c, tokens=(c.tokens + c.tokens[-1:] * K)[:K]) for c in tree.candidates[:self.G]])
+        L = len(row.window) or 1  # a window starts with one level
+        w = self.W if step_size(len(tree) + self.W * L) <= budget else 0
+        if step_size(len(tree) + w * L) > budget:
+            tree = tree.keep(range(1, 1 << (budget.bit_length() - 1)))
+        return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
+
+    def observe(self, rows, steps, T: int, seconds: float):
+        pass  # the same shape every step, whatever happened
+
+
+class DynamicShape:
+    """Every step the guesses and window columns with the most expected tokens per second
+    (choose_shape), from each row's Acceptance and the StepCosts of B-row steps on this model
+    (kept per model across requests; `costs` fixes them instead)."""
+
+    def __init__(self, N: int, model, costs: "StepCosts | None" = None):
+        self.N, self.model, self.fixed_costs = N, model, costs
+        self.pool_cap, self.acceptance = MAX_CANDIDATES, {}  # row -> its Acceptance
+        size = step_size(1 + (MAX_WINDOW + MAX_CANDIDATES) * (N - 1))
+        self.largest = min(MAX_STEP, 2 * size)
+
+    def costs(self, B: int) -> "StepCosts":
+        if self.fixed_costs is not None:
+            return self.fixed_costs
+        return STEP_COSTS.setdefault(self.model, {}).setdefault(B, StepCosts())
+
+    def plan(self, rows, trees, budget: int) -> list[tuple]:
+        return choose_shape([(tree, self.acceptance.setdefault(row, Acceptance()), len(row.window) or 1, MAX_WINDOW)
+                             for row, tree in zip(rows, trees)], self.costs(len(rows)), budget)
+
+    def observe(self, rows, steps, T: int, seconds: float):
+        for row, step in zip(rows, steps):
+            self.acceptance[row].record(step.tree, step.path, step.w)
+        self.costs(len(rows)).record(T, seconds)
 
 
 class StepCosts:
@@ -87,10 +144,12 @@ STEP_COSTS = weakref.WeakKeyDictionary()
 class Acceptance:
     """How often a guess was right when its parent was, in this request, per (source, depth,
     rank among its siblings): the probability a dynamic step gives each guess. Starts from a
-    prior worth two observations: a pooled n-gram seen after the same token as now 0.5, another
-    pooled one or the Jacobi guess 0.3; each further sibling half its elder's."""
+    prior worth two observations: a pooled n-gram seen after the same token as now ("pool2") 0.5,
+    another pooled one or the Jacobi guess 0.3, a source it does not know 0.3 too; each further
+    sibling half its elder's."""
 
-    PRIOR = {"context": 0.5, "pool": 0.3, "jacobi": 0.3}
+    PRIOR = {"pool2": 0.5, "pool1": 0.3, "jacobi": 0.3}
+    UNKNOWN_PRIOR = 0.3
 
     def __init__(self):
         self.hits, self.trials = Counter(), Counter()
@@ -99,11 +158,13 @@ class Acceptance:
 
     @staticmethod
     def key(tree, node: int):
-        return tree.kind[node], min(tree.depth[node], 4), min(tree.rank(node), 2)
+        """(source of the first candidate through it, depth, rank among its siblings), capped."""
+        rank = list(tree.children[tree.parent[node]].values()).index(node)
+        return tree.candidates[tree.origin[node]].source, min(tree.depth[node], 4), min(rank, 2)
 
     def p(self, key) -> float:
-        kind, _, rank = key
-        prior = self.PRIOR[kind] / 2 ** rank
+        source, _, rank = key
+        prior = self.PRIOR.get(source, self.UNKNOWN_PRIOR) / 2 ** rank
         return (self.hits[key] + 2 * prior) / (self.trials[key] + 2)
 
     def record(self, tree, path: list[int], w: int):
@@ -114,26 +175,13 @@ class Acceptance:
                 key = self.key(tree, child)
                 self.trials[key] += 1
                 self.hits[key] += child in on_path
-        self.window_tokens += sum(tree.from_window[v] for v in path)
+        self.window_tokens += sum(tree.candidates[tree.origin[v]].from_window for v in path)
         self.window_columns += w
 
     def window_yield(self) -> float:
         """Tokens a window column is worth per step: committed through its n-grams, per column
         run (prior: 0.02, worth 50 column-steps)."""
         return (self.window_tokens + 1.0) / (self.window_columns + 50)
-
-
-@dataclass
-class Shape:
-    """What a step ran: window columns x levels, guesses in the trie, tokens padded to `size`,
-    and (dynamic steps) the tokens it was expected to commit and its estimated cost against the
-    cheapest step."""
-    window: int
-    levels: int
-    guesses: int
-    size: int
-    expected: float = 0.0
-    cost: float = 0.0
 
 
 def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, budget: int):

@@ -1,6 +1,7 @@
 """lookahead.py: exactly greedy (Hypothesis, float64), the mask, the pool, the rollback, the
 real checkpoint against transformers' greedy output, and clear errors."""
 import json
+import random
 from collections import Counter
 
 import pytest
@@ -12,7 +13,7 @@ from model import Transformer
 from tokenizer import Tokenizer
 from cli import main
 from decoding import Sampling, greedy_decode, greedy_decode_batch, rope_switch, sample_decode
-from lookahead import NGramPool, Tree, lookahead_decode, lookahead_decode_batch, step_inputs
+from lookahead import Candidate, DraftSource, JacobiGuess, NGramPool, Tree, lookahead_decode, lookahead_decode_batch, step_inputs
 from shape import Acceptance, StepCosts, choose_shape
 from model import step_size
 
@@ -25,7 +26,7 @@ def draw_shape(data, most):
     free) or adversarial cost model (random costs, sizes left out, large steps cheaper)."""
     mode = data.draw(st.sampled_from(["fixed", "measured", "flat", "adversarial"]))
     if mode == "fixed":
-        return mode, dict(window=data.draw(st.integers(0, most)), guesses=data.draw(st.integers(0, most)))
+        return mode, dict(window=data.draw(st.integers(0, most)), candidates=data.draw(st.integers(0, most)))
     if mode == "flat":
         return mode, dict(costs=StepCosts.flat())
     if mode == "adversarial":
@@ -58,7 +59,8 @@ def test_lookahead_equals_greedy():
         mode, shape = draw_shape(data, 8)
         expected = greedy_decode(model, prompt, max_new, stop).tokens
         steps = []
-        got = lookahead_decode(model, prompt, max_new, ngram=N, stop_ids=stop, seed=seed, jacobi_guess=jacobi_guess,
+        drafts = None if jacobi_guess else lambda seq: [seq.pool]  # the default: the pool, then the Jacobi guess
+        got = lookahead_decode(model, prompt, max_new, ngram=N, stop_ids=stop, seed=seed, drafts=drafts,
                                on_step=steps.append, **shape)
         assert got.tokens == expected
         assert sum(got.committed) + 1 == len(got.tokens)
@@ -73,8 +75,8 @@ def test_lookahead_equals_greedy():
         seen["multi"] += max(got.committed, default=1) > 1
         seen["full"] += max(got.committed, default=1) == N
         seen["near_context"] += len(prompt) + max_new + 2 * 8 * (N - 1) > context
-        jacobi_wins = [s for s in steps if s["jacobi"] and s["winner"] == len(s["candidates"]) - 1 and s["accepted"]]
-        assert jacobi_guess or not any(s["jacobi"] for s in steps)
+        jacobi_wins = [s for s in steps if s["candidates"] and s["sources"][s["winner"]] == "jacobi" and s["accepted"]]
+        assert jacobi_guess or not any("jacobi" in s["sources"] for s in steps)
         seen["jacobi_accepted"] += bool(jacobi_wins)
         if mode != "fixed":
             widths = [s.window for s in got.shapes]
@@ -119,9 +121,7 @@ def trajectory_mask(tree, W, L):
     (5, 3, [(4, 4)]), (0, 0, [(3, 1, 4, 1), (3, 1, 5, 9), (2, 6)]), (4, 1, [(1,), (2,), (3,)]),
 ])
 def test_step_mask_is_the_trajectory_tree(W, L, chains):
-    tree = Tree(last=0)
-    for chain in chains:
-        tree.add(chain)
+    tree = Tree(last=0, candidates=[Candidate(chain, "test") for chain in chains])
     assert len(tree) == 1 + len({c[:i] for c in chains for i in range(1, len(c) + 1)})  # shared prefixes merged
     window = [[10 + level * W + j for j in range(W)] for level in range(L)]
     T = len(tree) + W * L
@@ -188,7 +188,7 @@ def test_the_one_guess_is_the_ngram_seen_after_the_same_token():
     for seed in range(4):
         prompt = [int(t) for t in torch.randint(0, 8, (40,), generator=torch.Generator().manual_seed(seed))]
         steps = []
-        got = lookahead_decode(model, prompt, N, window=1, ngram=N, guesses=1, output_ngrams=False,
+        got = lookahead_decode(model, prompt, N, window=1, ngram=N, candidates=1, output_ngrams=False,
                                on_step=steps.append)
         assert got.tokens == greedy_decode(model, prompt, N).tokens
         text, at = prompt + got.tokens, len(prompt)  # text[at] is the step's `last`
@@ -206,10 +206,72 @@ def test_the_one_guess_is_the_ngram_seen_after_the_same_token():
     assert picked_by_context  # the context changed the pick somewhere, so this tested it
 
 
+# --- draft sources ---------------------------------------------------------------------------
+
+class Oracle(DraftSource):
+    """A draft source in a few lines, for the tests: it knows greedy's output and proposes what
+    comes next, each token wrong with probability `noise`; it follows the text by observing
+    what every step committed."""
+
+    def __init__(self, truth, vocab, noise=0.0, seed=0):
+        self.truth, self.vocab, self.noise, self.rng = truth, vocab, noise, random.Random(seed)
+        self.at = 1  # the prefill commits the first token
+
+    def propose(self, seq, k):
+        ahead = self.truth[self.at:self.at + k]
+        return [Candidate(tuple(t if self.rng.random() >= self.noise else (t + 1) % self.vocab for t in ahead), "oracle")]
+
+    def observe(self, seq, step):
+        assert step.committed == self.truth[self.at:self.at + len(step.committed)] == seq.tokens[self.at:]
+        self.at += len(step.committed)
+
+
+def test_a_new_draft_source_is_exact_in_both_shapes():
+    """A source the decoder has never seen, beside the pool and the Jacobi guess: the output is
+    still greedy's, in fixed shapes and the dynamic one (which gives it a prior and learns it);
+    the runs must show its guesses accepted in both, and rejected."""
+    seen = Counter()
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 24), N=st.integers(2, 6), max_new=st.integers(1, 40),
+           noise=st.sampled_from([0.0, 0.3, 1.0]), family=st.sampled_from(list(FAMILY_OPTIONS)), data=st.data())
+    def prop(seed, vocab, N, max_new, noise, family, data):
+        model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=128, **FAMILY_OPTIONS[family])
+        prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20))
+        mode, shape = draw_shape(data, 6)
+        truth = greedy_decode(model, prompt, max_new).tokens
+        drafts = lambda seq: [seq.pool, Oracle(truth, vocab, noise, seed), JacobiGuess()]
+        steps = []
+        got = lookahead_decode(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, on_step=steps.append, **shape)
+        assert got.tokens == truth
+        fixed = "fixed" if mode == "fixed" else "dynamic"
+        for s in steps:
+            if "oracle" in s["sources"]:
+                won = s["accepted"] and s["sources"][s["winner"]] == "oracle"
+                seen[f"{fixed} accepted" if won else f"{fixed} rejected"] += 1
+
+    prop()
+    assert all(seen[f"{shape} {what}"] for shape in ("fixed", "dynamic") for what in ("accepted", "rejected")), seen
+
+
+@pytest.mark.parametrize("shape", [dict(costs=StepCosts.flat()), dict(costs=StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 3.0})),
+                                   dict(window=0, ngram=5, candidates=1)])
+def test_a_source_that_is_always_right_commits_n_tokens_a_step(shape):
+    model = random_model(seed=4, vocab_size=32)
+    prompt = [int(t) for t in torch.randint(0, 32, (16,), generator=torch.Generator().manual_seed(4))]
+    truth = greedy_decode(model, prompt, 60).tokens
+    plain = lookahead_decode(model, prompt, 60, **shape)
+    oracle = lookahead_decode(model, prompt, 60, drafts=lambda seq: [Oracle(truth, 32)], **shape)
+    assert oracle.tokens == plain.tokens == truth
+    # 59 tokens after the prefill's, at most 5 a step: 12 steps; the dynamic shape first learns
+    # that the unknown source is right (prior 0.3), so a few more.
+    assert oracle.steps <= 15 < plain.steps, (oracle.committed, plain.tokens_per_step)
+
+
 def test_rollback_leaves_the_cache_of_a_greedy_run():
     model = random_model(seed=7, vocab_size=8)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    got = lookahead_decode(model, prompt, 40, window=4, ngram=4, guesses=4)
+    got = lookahead_decode(model, prompt, 40, window=4, ngram=4, candidates=4)
     assert max(got.committed) > 1  # the rollback kept candidate K/V, not only window-free steps
     committed = len(prompt) + len(got.tokens) - 1  # the last token's K/V is never needed
     ours = model.kv()[..., :committed, :].clone()  # every layer's K and V
@@ -223,14 +285,14 @@ def test_stop_inside_an_accepted_ngram():
     for seed in range(20):
         model = random_model(seed=seed, vocab_size=16, n_layers=1)
         prompt = [1, 2, 3, 4] + greedy_decode(model, [1, 2, 3, 4], 20).tokens
-        free = lookahead_decode(model, prompt, 30, window=3, ngram=5, guesses=3)
+        free = lookahead_decode(model, prompt, 30, window=3, ngram=5, candidates=3)
         end = 1
         for n in free.committed:
             inside = [i for i in range(end, end + n - 1) if free.tokens[i] not in free.tokens[:i]]
             if n >= 3 and inside:
                 stop = free.tokens[inside[0]]
                 steps = []
-                got = lookahead_decode(model, prompt, 30, window=3, ngram=5, guesses=3, stop_ids=(stop,),
+                got = lookahead_decode(model, prompt, 30, window=3, ngram=5, candidates=3, stop_ids=(stop,),
                                        on_step=steps.append)
                 assert got.tokens == greedy_decode(model, prompt, 30, stop_ids=(stop,)).tokens
                 assert [t for s in steps for t in s["committed"]] == got.tokens[1:]  # --trace shows no more
@@ -241,7 +303,7 @@ def test_stop_inside_an_accepted_ngram():
     pytest.fail("no multi-token step found to place a stop id in")
 
 
-@pytest.mark.parametrize("shape", [dict(window=3, guesses=3), dict(costs=StepCosts({1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0}))])
+@pytest.mark.parametrize("shape", [dict(window=3, candidates=3), dict(costs=StepCosts({1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0}))])
 def test_reproducible_with_a_seed(shape):
     # Measured costs make the dynamic shapes depend on timing; a given cost model does not.
     model = random_model(seed=3, vocab_size=12)
@@ -251,14 +313,14 @@ def test_reproducible_with_a_seed(shape):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(window=-1), "window"), (dict(ngram=1), "ngram"), (dict(guesses=-1), "guesses"),
+    (dict(window=-1), "window"), (dict(ngram=1), "ngram"), (dict(candidates=-1), "candidates"),
     (dict(prompt=[]), "empty"), (dict(prompt=[1] * 256), "context"), (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(prompt=[99]), "prompt ids"), (dict(guesses=None), "both window and guesses"),
-    (dict(window=None), "both window and guesses"),
+    (dict(prompt=[99]), "prompt ids"), (dict(candidates=None), "both window and candidates"),
+    (dict(window=None), "both window and candidates"),
 ])
 def test_bad_requests(kwargs, message):
     model = random_model()
-    args = dict(prompt=[1, 2], max_new_tokens=5, window=3, ngram=3, guesses=3)
+    args = dict(prompt=[1, 2], max_new_tokens=5, window=3, ngram=3, candidates=3)
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         lookahead_decode(model, args.pop("prompt"), args.pop("max_new_tokens"), **args)
@@ -304,12 +366,12 @@ def test_the_dynamic_step_verifies_the_likeliest_guesses():
     # when rejected is accepted next step.
     from itertools import combinations
     tree = Tree(last=0)
-    for chain, kind in [((5, 6), "context"), ((1, 2, 3), "pool"), ((1, 2, 4), "pool"), ((7, 8, 9), "jacobi")]:
-        tree.add(chain, kind)
+    for chain, source in [((5, 6), "pool2"), ((1, 2, 3), "pool1"), ((1, 2, 4), "pool1"), ((7, 8, 9), "jacobi")]:
+        tree.add(Candidate(chain, source))
     acceptance = Acceptance()
     acceptance.record(tree, [3, 4], w=0)  # the pool's first two guesses were right once
     jacobi = Tree(last=0)
-    jacobi.add((1, 2), "jacobi")
+    jacobi.add(Candidate((1, 2), "jacobi"))
     for _ in range(8):  # and Jacobi guesses were right, twice in a row, 8 times
         acceptance.record(jacobi, [1, 2], w=0)
     chance = [1.0] * len(tree)
@@ -349,8 +411,8 @@ def test_the_dynamic_shape_goes_wide_where_steps_are_free_and_narrow_where_they_
 def test_acceptance_learns_from_what_was_accepted():
     acceptance = Acceptance()
     tree = Tree(last=0)
-    tree.add((1, 2), "pool")
-    tree.add((3,), "pool")
+    tree.add(Candidate((1, 2), "pool1"))
+    tree.add(Candidate((3,), "pool1"))
     first, second = acceptance.key(tree, 1), acceptance.key(tree, 3)
     prior_first, prior_second = acceptance.p(first), acceptance.p(second)
     assert prior_second < prior_first  # a later sibling starts less likely
@@ -363,7 +425,8 @@ def test_acceptance_learns_from_what_was_accepted():
 @pytest.mark.parametrize("W,N,G", [(None, None, None), (7, 5, 7), (15, 5, 15)])  # the dynamic default first
 def test_smollm2_lookahead_matches_transformers(smollm2, reference, W, N, G):
     for case in reference:
-        gen = lookahead_decode(smollm2, case["prompt_ids"], len(case["greedy_ids"]), W, N, G, stop_ids=(2,))
+        gen = lookahead_decode(smollm2, case["prompt_ids"], len(case["greedy_ids"]), window=W, ngram=N, candidates=G,
+                               stop_ids=(2,))
         assert_matches_reference(gen.tokens, case)
 
 
@@ -372,7 +435,8 @@ def test_gemma3_lookahead_matches_transformers(gemma3, gemma3_reference, W, N, G
     # The fixed shape on the two prompts where the window and the pool matter most, for time.
     cases = gemma3_reference if W is None else [c for c in gemma3_reference if c["name"] in ("timekeeping_question", "times_table")]
     for case in cases:
-        gen = lookahead_decode(gemma3, case["prompt_ids"], len(case["greedy_ids"]), W, N, G, stop_ids=(1, 106))
+        gen = lookahead_decode(gemma3, case["prompt_ids"], len(case["greedy_ids"]), window=W, ngram=N, candidates=G,
+                               stop_ids=(1, 106))
         assert_matches_reference(gen.tokens, case)
 
 
@@ -417,14 +481,15 @@ def test_the_jacobi_guess_is_what_the_model_predicted_after_the_first_rejected_g
     for seed in range(6):
         prompt = [int(t) for t in torch.randint(0, 32, (12,), generator=torch.Generator().manual_seed(seed))]
         steps = []
-        got = lookahead_decode(model, prompt, max_new, window=0, ngram=N, guesses=1, on_step=steps.append)
+        got = lookahead_decode(model, prompt, max_new, window=0, ngram=N, candidates=1, on_step=steps.append)
         assert got.tokens == greedy_decode(model, prompt, max_new).tokens
         text, at, leftover = prompt + got.tokens, len(prompt), []  # text[at] is the step's `last`
         for s in steps:
             pooled = any(text[i] == text[at] for i in range(at + 2 - N))  # an n-gram ends by `last`
             K = min(N - 1, max_new - (at - len(prompt) + 1) - 1)
-            assert s["jacobi"] == (not pooled and bool(leftover) and K > 0), s
-            if s["jacobi"]:
+            jacobi = "jacobi" in s["sources"]
+            assert jacobi == (not pooled and bool(leftover) and K > 0), s
+            if jacobi:
                 assert s["candidates"] == [(leftover + leftover[-1:] * K)[:K]]
                 jacobi_steps += 1
                 jacobi_accepted += s["accepted"] > 0
@@ -445,7 +510,7 @@ def sampling_case():
 
 def draw(model, prompt, sampling, cfg, n):
     samples, steps, multi = [], 0, 0
-    shape = dict(costs=StepCosts.flat()) if cfg == "dynamic" else dict(zip(("window", "ngram", "guesses"), cfg))
+    shape = dict(costs=StepCosts.flat()) if cfg == "dynamic" else dict(zip(("window", "ngram", "candidates"), cfg))
     for seed in range(n):
         gen = lookahead_decode(model, prompt, 4, seed=seed, temperature=sampling.temperature,
                                top_p=sampling.top_p, **shape)
@@ -496,14 +561,14 @@ def test_temperature_zero_and_top_k_one_are_greedy(seed, W, N, G, greedy_by):
     prompt = [1, 2, 3] * 4
     options = dict(temperature=0.0) if greedy_by == "temperature" else dict(temperature=1.3, top_k=1)
     expected = greedy_decode(model, prompt, 30).tokens
-    assert lookahead_decode(model, prompt, 30, W, N, G, seed=seed, **options).tokens == expected
+    assert lookahead_decode(model, prompt, 30, window=W, ngram=N, candidates=G, seed=seed, **options).tokens == expected
     assert sample_decode(model, prompt, 30, seed=seed, **options).tokens == expected
 
 
 def test_sampling_is_reproducible_with_a_seed():
     model, prompt, sampling = sampling_case()
-    a = lookahead_decode(model, prompt, 20, 3, 3, 3, seed=3, temperature=1.0)
-    b = lookahead_decode(model, prompt, 20, 3, 3, 3, seed=3, temperature=1.0)
+    a = lookahead_decode(model, prompt, 20, window=3, ngram=3, candidates=3, seed=3, temperature=1.0)
+    b = lookahead_decode(model, prompt, 20, window=3, ngram=3, candidates=3, seed=3, temperature=1.0)
     assert a.tokens == b.tokens
     assert sample_decode(model, prompt, 20, seed=3).tokens == sample_decode(model, prompt, 20, seed=3).tokens
 
@@ -559,7 +624,7 @@ def test_a_batch_runs_one_forward_per_step_and_drops_finished_rows(monkeypatch):
     monkeypatch.setattr(type(model), "forward", counting)
     short = greedy_decode(model, prompts[1], 3).tokens
     batch_rows.clear()
-    gens = lookahead_decode_batch(model, prompts, 30, window=2, guesses=2, stop_ids=(short[-1],))
+    gens = lookahead_decode_batch(model, prompts, 30, window=2, candidates=2, stop_ids=(short[-1],))
     assert len(gens[1].tokens) <= 3
     steps = batch_rows[len(prompts):]  # after one prefill per prompt
     assert len(steps) == max(g.steps for g in gens)
@@ -571,7 +636,7 @@ def test_rows_never_see_each_other():
     # + b, whatever the other rows hold; a different neighbour changes nothing.
     model, prompt, _ = sampling_case()
     other = [3, 1, 4, 1, 5, 7, 2, 6]
-    options = dict(window=2, ngram=3, guesses=2, seed=7, temperature=0.9)
+    options = dict(window=2, ngram=3, candidates=2, seed=7, temperature=0.9)
     alone = [lookahead_decode(model, p, 20, **{**options, "seed": 7 + b}).tokens for b, p in enumerate([prompt, other])]
     together = lookahead_decode_batch(model, [prompt, other], 20, **options)
     assert [g.tokens for g in together] == alone
@@ -633,7 +698,7 @@ def test_every_stop_id_stops(tiny_checkpoint):
         assert set(stop_ids) <= set(tok.stop_ids)
         expected = free[:firsts[k][0] + 1]
         assert greedy_decode(model, prompt, 40, tok.stop_ids).tokens == expected
-        assert lookahead_decode(model, prompt, 40, 3, 3, 3, tok.stop_ids).tokens == expected
+        assert lookahead_decode(model, prompt, 40, window=3, ngram=3, candidates=3, stop_ids=tok.stop_ids).tokens == expected
 
 
 # --- the command line -------------------------------------------------------------------------
@@ -658,7 +723,7 @@ def test_cli_generates_and_compares(tiny_checkpoint, capsys):
 def test_cli_show_is_plain_off_a_terminal_and_trace_shows_the_step(tiny_checkpoint, capsys):
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8",
                              "--max-new-tokens", "20", "--show", "--trace", "2", "--window", "2", "--ngram", "3",
-                             "--guesses", "2")
+                             "--candidates", "2")
     assert code == 0, err
     assert "\033[" not in out  # stdout is not a terminal here
     assert "-- step 1" in err and "-- step 2" in err and "-- step 3" not in err
@@ -680,7 +745,7 @@ def test_cli_sampling(tiny_checkpoint, capsys):
 
 @pytest.mark.parametrize("case", [
     "missing_folder", "no_config", "no_weights", "model_type", "hidden_act", "pickle_only", "empty_prompt", "long_prompt",
-    "window", "ngram", "guesses", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
+    "window", "ngram", "candidates", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
     "batch_bad_json", "batch_empty", "batch_and_prompt", "batch_trace", "batch_compile", "batch_long_prompt",
 ])
 def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsys, case):
@@ -704,9 +769,9 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
         argv[3] = "   "
     elif case == "long_prompt":
         argv[3] = "w7 " * 80
-    elif case in ("window", "ngram", "guesses", "max_new_tokens"):
+    elif case in ("window", "ngram", "candidates", "max_new_tokens"):
         argv += [f"--{case.replace('_', '-')}", "-1"]
-        argv += {"window": ["--guesses", "1"], "guesses": ["--window", "1"]}.get(case, [])
+        argv += {"window": ["--candidates", "1"], "candidates": ["--window", "1"]}.get(case, [])
     elif case == "window_alone":
         argv += ["--window", "3"]
     elif case == "cuda":

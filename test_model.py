@@ -181,12 +181,12 @@ def test_scattered_slots_and_mask_equal_plain_forward():
         torch.testing.assert_close(logits[0, i], model(seq)[0, -1], rtol=0, atol=1e-12)
 
 
-def test_commit_copies_slots_like_a_fresh_run():
+def test_rollback_moves_slots_like_a_fresh_run():
     model = random_model(seed=3)
     prefix = cached_prefix(model, 5, 40)
     tokens, parents, slots, _ = tree_step(model, 5)
     keep = ancestry(parents, 7)  # the path 0 -> 5 -> 6 -> 7 wins
-    model.commit([slots[keep].tolist()])  # to slots 5, 6, ... in the path's order
+    model.rollback([slots[keep].tolist()])  # to slots 5, 6, ... in the path's order
 
     fresh = random_model(seed=3)
     fresh.setup_cache(40)
@@ -422,8 +422,8 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
         runs = [
             lambda m: greedy_decode(m, prompt, n),
             lambda m: lookahead_decode(m, prompt, n, costs=costs),
-            lambda m: lookahead_decode(m, prompt, n, 2, 3, 1),  # 7 tokens a step, padded to 8
-            lambda m: lookahead_decode(m, prompt, n, 1, 3, 1, temperature=0.9, seed=4),
+            lambda m: lookahead_decode(m, prompt, n, window=2, ngram=3, candidates=1),  # 7 tokens a step, padded to 8
+            lambda m: lookahead_decode(m, prompt, n, window=1, ngram=3, candidates=1, temperature=0.9, seed=4),
             lambda m: sample_decode(m, prompt, n, temperature=0.9, seed=4),
         ]
         for run in runs:
@@ -434,7 +434,7 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
             torch.testing.assert_close(compiled.kv()[..., :C, :], eager.kv()[..., :C, :], rtol=0, atol=1e-10)
     assert counters["stats"]["unique_graphs"] == graphs  # new prompt lengths and lengths: no new graph
     assert any(s.size > 1 + s.guesses + s.window * s.levels
-               for s in lookahead_decode(compiled, [1, 2, 3, 1, 2, 3], 30, 2, 3, 1).shapes)  # padding ran
+               for s in lookahead_decode(compiled, [1, 2, 3, 1, 2, 3], 30, window=2, ngram=3, candidates=1).shapes)  # padding ran
 
 
 @needs_compiler
@@ -515,7 +515,7 @@ def test_every_family_decodes_as_transformers_greedy(hf_pair):
     want = hf.generate(input_ids=prompt, max_new_tokens=70, min_new_tokens=70, do_sample=False)[0, 20:].tolist()
     assert greedy_decode(ours, prompt[0].tolist(), 70).tokens == want
     assert lookahead_decode(ours, prompt[0].tolist(), 70).tokens == want
-    assert lookahead_decode(ours, prompt[0].tolist(), 70, window=4, ngram=4, guesses=4).tokens == want
+    assert lookahead_decode(ours, prompt[0].tolist(), 70, window=4, ngram=4, candidates=4).tokens == want
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
