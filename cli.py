@@ -15,13 +15,27 @@ from collections import Counter
 import torch
 
 from decoding import Generation, Sampling, greedy_decode, greedy_decode_batch, sample_decode
-from lookahead import lookahead_decode, lookahead_decode_batch
+from lookahead import JacobiGuess, lookahead_decode, lookahead_decode_batch
 from model import Transformer
+from recycling import TokenRecycling
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # --show: a colour per number of tokens a step committed (1 = plain).
 COLOURS = {2: "36", 3: "32", 4: "33", 5: "35"}
+
+
+# The draft sources by name, each made per sequence (lookahead_decode's `drafts`).
+DRAFTS = {"pool": lambda seq: seq.pool, "jacobi": lambda seq: JacobiGuess(), "recycling": TokenRecycling}
+
+
+def drafts_from(names: str):
+    """'pool,recycling,jacobi' -> lookahead_decode's drafts (None: the default, pool and jacobi)."""
+    chosen = names.split(",")
+    unknown = [n for n in chosen if n not in DRAFTS]
+    if unknown or len(set(chosen)) < len(chosen):
+        raise ValueError(f"--drafts takes distinct names from {', '.join(DRAFTS)}, not {names!r}")
+    return None if chosen == ["pool", "jacobi"] else lambda seq: [DRAFTS[n](seq) for n in chosen]
 
 
 def resolve_model(name: str) -> str:
@@ -64,6 +78,8 @@ def parse_args(argv):
     ap.add_argument("--candidates", type=int, default=None,
                     help="G (the paper's guess set size): candidates verified per step (default: the dynamic "
                          "shape, chosen per step)")
+    ap.add_argument("--drafts", default="pool,jacobi",
+                    help=f"the draft sources, in order, from {', '.join(DRAFTS)} (default pool,jacobi)")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
     ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -104,6 +120,7 @@ def parse_args(argv):
             ap.error(f"--{name} must be at least {least}, got {value}")
     try:
         args.sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        args.draft_sources = drafts_from(args.drafts)
     except ValueError as e:
         ap.error(str(e))
     if args.prompt_file is not None:
@@ -206,7 +223,7 @@ def main(argv=None):
                     gen = lookahead_decode(model, prompt_ids, args.max_new_tokens, window=args.window, ngram=args.ngram,
                                            candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
                                            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                           on_tokens=on_tokens if stream else None,
+                                           drafts=args.draft_sources, on_tokens=on_tokens if stream else None,
                                            on_step=trace if args.trace else None)
             finally:
                 if stream:
@@ -256,7 +273,8 @@ def run_batch(args, model, tokenizer, prompts, stop_ids) -> int:
         else:
             gens = lookahead_decode_batch(model, prompts, args.max_new_tokens, window=args.window, ngram=args.ngram,
                                           candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
-                                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+                                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                          drafts=args.draft_sources)
         runs.append((greedy, gens, time.perf_counter() - start))
     stop = set(stop_ids)
     for i, (ids, gen) in enumerate(zip(prompts, runs[-1][1])):

@@ -74,18 +74,26 @@ def ensure_cache(model: Transformer, needed: int, rows: int):
         model.setup_cache(min(model.args.max_seq_len, max(needed, grown, 256)), rows)
 
 
-def prefill(model: Transformer, prompts) -> torch.Tensor:
+def prefill(model: Transformer, prompts, top_k: int = 0):
     """Run each prompt through the model, prompt b filling slots [0, P_b) of cache row b; return
     the logits (B, V) that predict each first new token. Causal without a mask (model.forward),
     so a long prompt costs memory linear in its length; one prompt at a time, so that prompts
-    of different lengths cost the sum of their lengths, not B times the longest."""
-    logits = []
+    of different lengths cost the sum of their lengths, not B times the longest.
+    top_k: also return, per prompt, the model's top_k tokens after each of its tokens (P_b, k)
+    as lists, the logits read 256 rows at a time (a draft source recycles them)."""
+    logits, tops = [], []
     for b, prompt_ids in enumerate(prompts):
         P = len(prompt_ids)
         idx = torch.arange(P, device=model.device)
         tokens = torch.tensor([prompt_ids], device=model.device)  # (1, P)
-        logits.append(model(tokens, idx, idx, rows=idx[-1:], cache_row=b)[:, -1])
-    return torch.cat(logits)  # (B, V)
+        if not top_k:
+            logits.append(model(tokens, idx, idx, rows=idx[-1:], cache_row=b)[:, -1])
+            continue
+        hidden = model(tokens, idx, idx, cache_row=b, head=False)[0]  # (P, dim)
+        logits.append(model.lm_head(hidden[-1:]))
+        tops.append(torch.cat([model.lm_head(hidden[i:i + 256]).topk(top_k).indices
+                               for i in range(0, P, 256)]).tolist())
+    return (torch.cat(logits), tops) if top_k else torch.cat(logits)  # (B, V)
 
 
 def rope_switch(model: Transformer) -> int | None:

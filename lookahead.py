@@ -33,7 +33,7 @@ import torch
 
 from decoding import (Generation, Sampling, check_requests, drop_finished, ensure_cache, mask_width, per_row, prefill,
                       step_room, switch_rope)
-from shape import DynamicShape, FixedShape, Shape
+from shape import Shape, shape_policy
 
 
 @dataclass(frozen=True)
@@ -49,21 +49,26 @@ class Candidate:
 class DraftSource:
     """Where guesses come from. `drafts(seq)` makes each row's sources when a request starts;
     before every step propose(seq, k) returns candidate continuations of seq.tokens[-1], best
-    first, each of at most k guesses; after it observe(seq, step) sees the Verified step. Any
-    source is exact: verification accepts only the guesses greedy decoding would produce."""
+    first, each of at most k guesses; after it observe(seq, step) sees the Verified step (with
+    the model's top_k best tokens after every verified row, if top_k > 0). Any source is exact:
+    verification accepts only the guesses greedy decoding would produce."""
+
+    top_k = 0
 
     def propose(self, seq: "Sequence", k: int) -> list[Candidate]:
         return []
+
+    def observe_prefill(self, seq: "Sequence", top: list[list[int]]):
+        """With top_k > 0: the model's top_k best tokens after every prompt token, once."""
 
     def observe(self, seq: "Sequence", step: "Verified"):
         pass
 
 
 class NGramPool(DraftSource):
-    """n-grams seen so far, keyed by their first token, at most `cap` per key, least recently
-    seen evicted first (a repeated one moves to the recent end). Each remembers the tokens seen
-    right before it (for ranked) and whether the window made it. Sequence fills it: the prompt's
-    n-grams, the window's, and the committed text's."""
+    """n-grams seen so far (Sequence adds the prompt's, the window's and the committed text's),
+    keyed by their first token, at most `cap` per key, least recently seen evicted first. Each
+    remembers the tokens seen right before it (for ranked) and whether the window made it."""
 
     def __init__(self, cap: int):
         self.cap = cap
@@ -117,11 +122,6 @@ class JacobiGuess(DraftSource):
         tree = step.tree
         rejected = next(iter(tree.children[step.path[-1] if step.path else 0].values()), None)
         self.guess = [step.pred[v] for v in tree.first_chain(rejected)] if rejected else []
-
-
-def default_drafts(seq: "Sequence") -> list[DraftSource]:
-    """The paper's sources: the n-gram pool, then the Jacobi guess."""
-    return [seq.pool, JacobiGuess()]
 
 
 class Tree:
@@ -308,11 +308,13 @@ def verify_sampled(tree: Tree, probs, rng, gen) -> tuple[list[int], int]:
 @dataclass
 class Verified:
     """What one row's step did, for the draft sources, the policy and the loop: the trie run and
-    w window columns, the model's prediction after every row read (pred), the accepted nodes
-    (path), the tokens committed, and the cache slots (after C) holding the committed K/V."""
+    w window columns, the model's prediction after every row read (pred; top: its best tokens
+    there, if a source asked), the accepted nodes (path), the tokens committed, and the cache
+    slots (after C) holding the committed K/V."""
     tree: Tree
     w: int
     pred: list[int]
+    top: list[list[int]] | None
     path: list[int]
     committed: list[int]
     slots: list[int]
@@ -339,7 +341,7 @@ class Sequence:
         self.pool = NGramPool(pool_cap)
         for i in range(len(self.prompt) - N + 1):
             self.pool.add(self.prompt[i:i + N], self.prompt[i - 1] if i else None)
-        self.sources = (drafts or default_drafts)(self)
+        self.sources = drafts(self) if drafts else [self.pool, JacobiGuess()]  # the paper's two sources
 
     @property
     def done(self) -> bool:
@@ -373,7 +375,7 @@ class Sequence:
             self.window = [level[:w] + fresh(w - len(level)) for level in self.window] or [fresh(w)]
         return step_inputs(tree, self.window, w, size)
 
-    def advance(self, tree: Tree, w: int, pred: list[int], path: list[int], bonus: int, shape: Shape,
+    def advance(self, tree: Tree, w: int, pred: list[int], top, path: list[int], bonus: int, shape: Shape,
                 on_step=None) -> Verified:
         """5 to 7 for this row, once verification accepted `path` and the `bonus` token."""
         # 5. Roll back: `last` is in slot C; the accepted guesses' K/V move from their slots (node
@@ -386,7 +388,7 @@ class Sequence:
         self.jacobi_update(tree.tokens[0], pred[len(tree):len(tree) + w])
         # 7. Commit, stopping exactly where greedy would: at a stop id, or at max_new_tokens;
         #    then every draft source sees the step.
-        step = Verified(tree, w, pred, path, self.commit([tree.tokens[v] for v in path] + [bonus]), slots)
+        step = Verified(tree, w, pred, top, path, self.commit([tree.tokens[v] for v in path] + [bonus]), slots)
         for source in self.sources:
             source.observe(self, step)
         on_step and on_step({**trace, "committed": step.committed})
@@ -461,25 +463,30 @@ def lookahead_step(model, policy, batch: list[Sequence], on_step=None):
     # 3. One forward over every row's [tree | window | padding] under the combined mask.
     parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(batch, plans)]
     logits = model.step(*pack_inputs(model, batch, parts, T))  # (B, R, V)
-    pred = logits.argmax(-1).tolist()  # the one host sync per greedy step
+    k = max(s.top_k for row in batch for s in row.sources)  # what the draft sources want to see
+    best = logits.argmax(-1, keepdim=True)  # (B, R, 1)
+    best = (torch.cat((best, logits.topk(k, dim=-1).indices), dim=-1) if k else best).tolist()  # the one host sync
+    pred = [[r[0] for r in rows] for rows in best]
     # 4 to 7. Every row verifies its guesses and advances; then the cache keeps what each committed.
-    steps = [row.advance(tree, w, pred[j], *verify(row, tree, pred[j], logits[j]), shape,
-                         on_step and (lambda s, j=j: on_step(j, s)))
+    steps = [row.advance(tree, w, pred[j], [r[1:] for r in best[j]] if k else None, *verify(row, tree, pred[j], logits[j]),
+                         shape, on_step and (lambda s, j=j: on_step(j, s)))
              for j, (row, (tree, w, shape)) in enumerate(zip(batch, plans))]
     model.rollback([step.slots for step in steps])
     policy.observe(batch, steps, T, time.perf_counter() - start)
 
 
-def shape_policy(model, window, ngram, candidates, costs):
-    """The paper's fixed shape when window and candidates are given, else the dynamic one."""
-    N = 5 if ngram is None else ngram
-    if N < 2:
-        raise ValueError(f"need ngram >= 2 (got {N})")
-    if window is None and candidates is None:
-        return DynamicShape(N, model, costs)
-    if window is None or candidates is None:
-        raise ValueError("a fixed shape needs both window and candidates (neither: the dynamic shape)")
-    return FixedShape(window, N, candidates)
+def start_rows(model, rows: list[Sequence], sampling: Sampling, start: float, on_tokens=None):
+    """Prefill every row's prompt and commit its first token; the draft sources that read the
+    model's top-k see it after every prompt token."""
+    k = max(s.top_k for row in rows for s in row.sources)
+    logits, tops = prefill(model, [row.prompt for row in rows], k) if k else (prefill(model, [row.prompt for row in rows]), None)
+    first = sampling.pick(logits, [row.gen for row in rows])[:, 0].tolist()
+    for b, row in enumerate(rows):
+        for source in row.sources if k else ():
+            source.observe_prefill(row, tops[b])
+        row.out.prefill_seconds = time.perf_counter() - start
+        kept = row.commit(first[b:b + 1])
+        on_tokens and on_tokens(b, kept)
 
 
 @torch.inference_mode()
@@ -522,11 +529,7 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram
     rows = [Sequence(p, m, policy.N, policy.pool_cap, sampling, seed + b, set(stop_ids), model.device, output_ngrams,
                      drafts) for b, (p, m) in enumerate(zip(prompts, limits))]
 
-    first = sampling.pick(prefill(model, prompts), [row.gen for row in rows])[:, 0].tolist()
-    for b, row in enumerate(rows):
-        row.out.prefill_seconds = time.perf_counter() - start
-        kept = row.commit(first[b:b + 1])
-        on_tokens and on_tokens(b, kept)
+    start_rows(model, rows, sampling, start, on_tokens)
     active = list(range(len(rows)))  # the rows still decoding, in the cache's row order
     while True:  # finished rows leave the batch (and the cache)
         keep = drop_finished(model, active, lambda b: rows[b].done, [row.out for row in rows],

@@ -339,7 +339,7 @@ class Transformer(nn.Module):
         out = out[..., :S].masked_fill_(mask.repeat(*[1] * len(B), group, 1), 0.0)
         return out[:, None] if B else out
 
-    def forward(self, tokens, positions=None, slots=None, mask=None, rows=None, cache_row=None, check=True):
+    def forward(self, tokens, positions=None, slots=None, mask=None, rows=None, cache_row=None, check=True, head=True):
         """tokens (B, T) -> logits (B, T, vocab).
 
         Without a mask: causal among these tokens alone, at positions 0..T-1 unless given (a
@@ -351,6 +351,7 @@ class Transformer(nn.Module):
         a large part of a small model's step, and lookahead reads few of the rows).
         cache_row: write into this row of the cache (a prefill of one row of a batch; B = 1).
         check: raise if a position reaches the model's context (one host sync; step() skips it).
+        head=False: the final normed hidden states (B, T, dim) instead, to read logits in pieces.
         """
         B, T = tokens.shape
         if positions is None:
@@ -375,7 +376,7 @@ class Transformer(nn.Module):
             x = layer(x, *(local if self.slides and self.slides[i] else full), slots, cache_rows)
         if rows is not None:
             x = x[:, rows] if rows.dim() == 1 else x[torch.arange(B, device=x.device)[:, None], rows]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x)) if head else self.norm(x)
 
     def window_mask(self, positions, mask, cache_rows):
         """A sliding layer's mask: the same keys, less those at positions p <= q_pos - window. In a

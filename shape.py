@@ -35,6 +35,18 @@ class Shape:
     cost: float = 0.0
 
 
+def shape_policy(model, window, ngram, candidates, costs):
+    """The paper's fixed shape when window and candidates are given; neither: the dynamic one."""
+    N = 5 if ngram is None else ngram
+    if N < 2:
+        raise ValueError(f"need ngram >= 2 (got {N})")
+    if window is None and candidates is None:
+        return DynamicShape(N, model, costs)
+    if window is None or candidates is None:
+        raise ValueError("a fixed shape needs both window and candidates (neither: the dynamic shape)")
+    return FixedShape(window, N, candidates)
+
+
 class FixedShape:
     """The paper's shape: every step the first G candidates, each padded to N-1 guesses with its
     last token (a slot's cost, never exactness), and the whole window, W columns x N-1 levels.
