@@ -121,14 +121,19 @@ def print_tables(rows, results, labels, markdown):
                            f"{sum(results[r['config']][i][0].committed) / max(results[r['config']][i][0].steps, 1):.2f}"
                            for r in rows[1:]] for i, label in enumerate(labels)]
     for h, b in ((head, body), (per_head, per_body)):
-        if markdown:
-            print("| " + " | ".join(h) + " |\n|" + "---|" * len(h))
-            print("\n".join("| " + " | ".join(row) + " |" for row in b) + "\n")
-        else:
-            widths = [max(len(x) for x in col) for col in zip(h, *b)]
-            for row in [h] + b:
-                print("  ".join(x.rjust(w) for x, w in zip(row, widths)))
-            print()
+        print_table(h, b, markdown)
+        print()
+
+
+def print_table(head: list[str], body: list[list[str]], markdown: bool):
+    """Rows of cells as a Markdown table (the README's) or as aligned columns."""
+    if markdown:
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        print("\n".join("| " + " | ".join(row) + " |" for row in body))
+    else:
+        widths = [max(len(x) for x in col) for col in zip(head, *body)]
+        for row in [head] + body:
+            print("  ".join(x.rjust(w) for x, w in zip(row, widths)))
 
 
 def names_of(configs):
@@ -172,13 +177,7 @@ def bench_batch(model, prompts, B, configs, names, greedy, lookahead, n_new, sto
         row.insert(3, f"{float(row[2]) / base:.2f}x")
     head = ["decoder", "one by one: tokens/s", f"batches of {B}: tokens/s", "batched vs greedy one by one",
             "batched vs one by one", "rows same as one by one"]
-    if markdown:
-        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-        print("\n".join("| " + " | ".join(r) + " |" for r in rows))
-    else:
-        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-        for r in [head] + rows:
-            print("  ".join(x.rjust(w) for x, w in zip(r, widths)))
+    print_table(head, rows, markdown)
     return 0 if all(r[-1] == "yes" for r in rows) else 1
 
 
@@ -277,13 +276,8 @@ def print_spec_bench(names, answers, markdown, step_costs):
             cells.append(f"{per_step:.2f}, {speedup:.2f}x")
         cells.append("yes" if all(a[n]["identical"] for a in group for n in names) else "NO")
         body.append(cells)
-    if markdown:
-        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-        print("\n".join("| " + " | ".join(row) + " |" for row in body) + "\n")
-    else:
-        widths = [max(len(x) for x in col) for col in zip(head, *body)]
-        for row in [head] + body:
-            print("  ".join(x.rjust(w) for x, w in zip(row, widths)))
+    print_table(head, body, markdown)
+    print()
     if step_costs:
         print("step cost on this machine, as the dynamic shape measured it (x a 1-token step): "
               + ", ".join(f"{size} tokens {cost:.2f}x" for size, cost in step_costs.items()))

@@ -464,12 +464,14 @@ def lookahead_step(model, policy, batch: list[Sequence], on_step=None):
     parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(batch, plans)]
     logits = model.step(*pack_inputs(model, batch, parts, T))  # (B, R, V)
     k = max(s.top_k for row in batch for s in row.sources)  # what the draft sources want to see
-    best = logits.argmax(-1, keepdim=True)  # (B, R, 1)
-    best = (torch.cat((best, logits.topk(k, dim=-1).indices), dim=-1) if k else best).tolist()  # the one host sync
-    pred = [[r[0] for r in rows] for rows in best]
+    if k:  # the argmax and the top-k, in one host sync
+        best = torch.cat((logits.argmax(-1, keepdim=True), logits.topk(k, dim=-1).indices), dim=-1).tolist()
+        pred, top = [[r[0] for r in rows] for rows in best], [[r[1:] for r in rows] for rows in best]
+    else:
+        pred, top = logits.argmax(-1).tolist(), [None] * len(batch)  # the one host sync per greedy step
     # 4 to 7. Every row verifies its guesses and advances; then the cache keeps what each committed.
-    steps = [row.advance(tree, w, pred[j], [r[1:] for r in best[j]] if k else None, *verify(row, tree, pred[j], logits[j]),
-                         shape, on_step and (lambda s, j=j: on_step(j, s)))
+    steps = [row.advance(tree, w, pred[j], top[j], *verify(row, tree, pred[j], logits[j]), shape,
+                         on_step and (lambda s, j=j: on_step(j, s)))
              for j, (row, (tree, w, shape)) in enumerate(zip(batch, plans))]
     model.rollback([step.slots for step in steps])
     policy.observe(batch, steps, T, time.perf_counter() - start)
