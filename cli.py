@@ -92,6 +92,8 @@ def parse_args(argv):
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--compile", action="store_true",
                     help="compile every step size first (CUDA graphs on a GPU; about a minute per size on a CPU)")
+    ap.add_argument("--max-seq-len", type=int, default=None,
+                    help="with --compile: the cache's slots, prompt and output (default 4096, or the model's context)")
     ap.add_argument("--dtype", default="float32",
                     help=f"{', '.join(DTYPES)} (default float32: exactly greedy; bfloat16 is faster on a GPU, "
                          "but its rounding can flip near-ties)")
@@ -112,10 +114,12 @@ def parse_args(argv):
         ap.error(f"unknown dtype {args.dtype!r} (one of {', '.join(DTYPES)})")
     if args.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         ap.error("this GPU does not support bfloat16; use --dtype float16")
+    if args.max_seq_len is not None and not args.compile:
+        ap.error("--max-seq-len sizes a compiled model's cache (uncompiled, the cache follows each request): add --compile")
     if (args.window is None) != (args.candidates is None):
         ap.error("a fixed shape needs both --window and --candidates (neither: the dynamic shape)")
     for name, value, least in (("window", args.window, 0), ("ngram", args.ngram, 2), ("candidates", args.candidates, 0),
-                               ("max-new-tokens", args.max_new_tokens, 1)):
+                               ("max-new-tokens", args.max_new_tokens, 1), ("max-seq-len", args.max_seq_len, 2)):
         if value is not None and value < least:
             ap.error(f"--{name} must be at least {least}, got {value}")
     try:
@@ -165,7 +169,8 @@ def main(argv=None):
     colour = args.show and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     try:
         path = resolve_model(args.model)
-        model = Transformer.from_pretrained(path, args.device, DTYPES[args.dtype], compile=args.compile)
+        model = Transformer.from_pretrained(path, args.device, DTYPES[args.dtype], compile=args.compile,
+                                            max_seq_len=args.max_seq_len)
         tokenizer = Tokenizer.from_pretrained(path)
         stop_ids = tokenizer.stop_ids or model.args.eos_ids
         sampling = args.sampling

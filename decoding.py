@@ -62,13 +62,20 @@ def check_requests(model: Transformer, prompts, max_new_tokens: int) -> list[int
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}{which}")
     if len(prompts) > 1 and model.compiled_step is not None:
         raise ValueError("a compiled model decodes one sequence at a time; load it without compile for a batch")
+    need = max(len(p) for p in prompts) + max_new_tokens - 1
+    if model.compiled_step is not None and need > model.cache_len < context:
+        raise ValueError(f"the request needs {need} cache slots and the compiled cache holds {model.cache_len}; "
+                         f"load with max_seq_len={min(need, context)} (--max-seq-len)")
     # The last generated token never needs a K/V slot, so m tokens need len(prompt) + m - 1.
     return [min(max_new_tokens, context - len(p)) for p in prompts]
 
 
 def ensure_cache(model: Transformer, needed: int, rows: int):
     """Reuse the model's KV cache when it has the rows and is long enough; else allocate once,
-    with headroom for longer requests."""
+    with headroom for longer requests. A compiled model keeps its cache (check_requests made sure
+    the request fits; lookahead's steps near its end shrink to what is left)."""
+    if model.compiled_step is not None:
+        return
     if model.cache_len < needed or model.cache_rows != rows:
         grown = 2 * model.cache_len if model.cache_rows == rows else 0
         model.setup_cache(min(model.args.max_seq_len, max(needed, grown, 256)), rows)

@@ -27,6 +27,7 @@ from linear import Linear, tune_cpu_products
 # (step_size), so there are few shapes: one cost estimate per shape for the dynamic lookahead
 # shape, one compiled graph per shape (Transformer.compile_steps).
 STEP_SIZES = tuple(1 << i for i in range(8))  # 1, 2, 4, ..., 128
+COMPILED_CACHE = 4096  # a compiled model's cache slots unless asked otherwise (or its context, if shorter)
 
 
 def step_size(n: int) -> int:
@@ -417,10 +418,10 @@ class Transformer(nn.Module):
 
         Every compiled step has a fixed shape: one sequence of T tokens, attention over the whole
         cache under the mask (no slicing by the committed length), all T rows of logits. So the
-        cache is allocated once, here, with cache_len slots (default: the model's context) and
-        one row, and kept. Warmed up under inference_mode, as the decoders run: a graph is
+        cache is allocated once, here, with cache_len slots (default: COMPILED_CACHE, or the
+        model's context if shorter; a request that needs more is refused) and one row, and kept. Warmed up under inference_mode, as the decoders run: a graph is
         specialised on it."""
-        self.setup_cache(cache_len or self.args.max_seq_len)
+        self.setup_cache(cache_len or min(COMPILED_CACHE, self.args.max_seq_len))
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         self.compiled_step = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
         for T in sizes:
@@ -436,10 +437,11 @@ class Transformer(nn.Module):
         self.compiled_sizes = tuple(sizes)
 
     @classmethod
-    def from_pretrained(cls, path, device=None, dtype=None, compile=False) -> "Transformer":
+    def from_pretrained(cls, path, device=None, dtype=None, compile=False, max_seq_len=None) -> "Transformer":
         """Load a Hugging Face checkpoint folder onto `device` (default: CUDA when there is one).
 
-        compile: compile every step size of STEP_SIZES now (compile_steps), with a line per size.
+        compile: compile every step size of STEP_SIZES now (compile_steps), with a line per size,
+        over a cache of max_seq_len slots (default COMPILED_CACHE, not the model's whole context).
 
         dtype: float32 unless given, on every device, so that lookahead's output is exactly
         greedy's; bfloat16 / float16 are faster on a GPU but round a T-token step differently
@@ -459,5 +461,5 @@ class Transformer(nn.Module):
         if device.type == "cpu":  # how Linear multiplies 1-16 tokens (a CPU's steps), measured here
             tune_cpu_products([m for m in model.modules() if isinstance(m, Linear)], STEP_SIZES[:5], STEP_SIZES[-1])
         if compile:
-            model.compile_steps(STEP_SIZES, log=lambda line: print(line, file=sys.stderr, flush=True))
+            model.compile_steps(STEP_SIZES, max_seq_len, log=lambda line: print(line, file=sys.stderr, flush=True))
         return model

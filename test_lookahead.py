@@ -793,6 +793,7 @@ def test_cli_sampling(tiny_checkpoint, capsys):
     "missing_folder", "no_config", "no_weights", "model_type", "hidden_act", "pickle_only", "empty_prompt", "long_prompt",
     "window", "ngram", "candidates", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
     "batch_bad_json", "batch_empty", "batch_and_prompt", "batch_trace", "batch_compile", "batch_long_prompt", "drafts",
+    "max_seq_len_alone",
 ])
 def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsys, case):
     ckpt = str(tiny_checkpoint)
@@ -832,6 +833,8 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
         argv += ["--top-p", "1.5"]
     elif case == "drafts":
         argv += ["--drafts", "pool,medusa"]
+    elif case == "max_seq_len_alone":
+        argv += ["--max-seq-len", "128"]
     elif case == "no_template":
         (tiny_checkpoint / "tokenizer_config.json").write_text("{}")
         argv += ["--chat"]

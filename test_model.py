@@ -405,7 +405,7 @@ def compiled_pair():
     options = dict(FAMILY_OPTIONS["gemma"], rotary_dim=4, rope_scaling=FAMILY_OPTIONS["phi3"]["rope_scaling"])
     eager = random_model(seed=9, vocab_size=16, max_seq_len=96, **options)
     compiled = random_model(seed=9, vocab_size=16, max_seq_len=96, **options)
-    compiled.compile_steps((1, 2, 4, 8))
+    compiled.compile_steps((1, 2, 4, 8), cache_len=64)  # less than the context: requests must fit it
     return eager, compiled
 
 
@@ -440,12 +440,26 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
 @needs_compiler
 def test_a_compiled_model_keeps_its_cache(compiled_pair):
     _, compiled = compiled_pair
-    assert compiled.cache_len == 96
+    assert compiled.cache_len == 64  # what was asked, not the model's context (96)
+    with pytest.raises(ValueError, match="needs 70 cache slots and the compiled cache holds 64; load with max_seq_len=70"):
+        greedy_decode(compiled, [1] * 30, 41)
     buffers = dict(compiled.named_buffers())  # buffers: their addresses stay fixed for CUDA graphs
     assert all(f"layers.{i}.self_attn.{kv}_cache" in buffers for i in range(2) for kv in "kv")
     assert "slot_positions" in buffers
     with pytest.raises(ValueError, match="compiled"):
         compiled.setup_cache(48)
+
+
+def test_a_compiled_cache_is_what_was_asked_not_the_context():
+    # A Llama-3.1-style context of 131,072 positions: the compiled cache holds COMPILED_CACHE slots by
+    # default (compiling no size is instant), and max_seq_len where given.
+    from model import COMPILED_CACHE
+    model = random_model(max_seq_len=131072)
+    model.compile_steps(())
+    assert model.cache_len == COMPILED_CACHE == 4096 and model.kv().shape[-2] == 4096
+    small = random_model(max_seq_len=1024)
+    small.compile_steps((), cache_len=300)
+    assert small.cache_len == 300
 
 
 # --- the model families against transformers --------------------------------------------------
