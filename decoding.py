@@ -81,25 +81,48 @@ def ensure_cache(model: Transformer, needed: int, rows: int):
         model.setup_cache(min(model.args.max_seq_len, max(needed, grown, 256)), rows)
 
 
+PREFILL_CHUNK = 1024  # a prompt runs this many tokens a forward: its activations stay those of 1024 tokens
+
+
+def run_prompt(model: Transformer, ids: list[int], row: int, head=True):
+    """Run a sequence's tokens into slots [0, len(ids)) of cache row `row`, PREFILL_CHUNK at a
+    time, each chunk causal over itself and the chunks before it (already in the cache), so a
+    prompt's peak memory is bounded whatever its length:
+
+        chunk 0: [ causal ]
+        chunk 1: [ sees chunk 0 | causal ]
+        chunk 2: [ sees chunks 0, 1     | causal ]
+
+    Returns the final hidden states (len(ids), dim) when head=False, else the last token's
+    logits (1, V)."""
+    P, dev = len(ids), model.device
+    tokens = torch.tensor([ids], device=dev)  # (1, P)
+    hidden = []
+    for a in range(0, P, PREFILL_CHUNK):
+        end = min(a + PREFILL_CHUNK, P)
+        last = torch.tensor([end - 1 - a], device=dev) if head and end == P else None  # the logits row
+        out = model(tokens[:, a:end], torch.arange(a, end, device=dev), torch.full((1, 1), a, device=dev),
+                    span=(a, a), cache_row=row, prompt_end=P - 1, rows=last, head=last is not None)
+        if not head:
+            hidden.append(out[0])
+    return torch.cat(hidden) if not head else out[:, -1]
+
+
 def prefill(model: Transformer, prompts, top_k: int = 0):
     """Run each prompt through the model, prompt b filling slots [0, P_b) of cache row b; return
-    the logits (B, V) that predict each first new token. Causal without a mask (model.forward),
-    so a long prompt costs memory linear in its length; one prompt at a time, so that prompts
+    the logits (B, V) that predict each first new token. One prompt at a time, so that prompts
     of different lengths cost the sum of their lengths, not B times the longest.
     top_k: also return, per prompt, the model's top_k tokens after each of its tokens (P_b, k)
     as lists, the logits read 256 rows at a time (a draft source recycles them)."""
     logits, tops = [], []
     for b, prompt_ids in enumerate(prompts):
-        P = len(prompt_ids)
-        idx = torch.arange(P, device=model.device)
-        tokens = torch.tensor([prompt_ids], device=model.device)  # (1, P)
         if not top_k:
-            logits.append(model(tokens, idx, idx, rows=idx[-1:], cache_row=b)[:, -1])
+            logits.append(run_prompt(model, prompt_ids, b))
             continue
-        hidden = model(tokens, idx, idx, cache_row=b, head=False)[0]  # (P, dim)
+        hidden = run_prompt(model, prompt_ids, b, head=False)  # (P, dim)
         logits.append(model.lm_head(hidden[-1:]))
         tops.append(torch.cat([model.lm_head(hidden[i:i + 256]).topk(top_k).indices
-                               for i in range(0, P, 256)]).tolist())
+                               for i in range(0, len(prompt_ids), 256)]).tolist())
     return (torch.cat(logits), tops) if top_k else torch.cat(logits)  # (B, V)
 
 
@@ -123,8 +146,7 @@ def switch_rope(model: Transformer, row: int, C: int, sequence: list[int]):
     `last` (sequence, C + 1 tokens) are run again into their slots, so that every later step sees
     exactly those keys. Steps before that keep their positions before the switch (step_room)."""
     if C == rope_switch(model):
-        idx = torch.arange(C + 1, device=model.device)
-        model(torch.tensor([sequence], device=model.device), idx, idx, rows=idx[-1:], cache_row=row)
+        run_prompt(model, sequence, row)
 
 
 @dataclass(frozen=True)
@@ -172,12 +194,6 @@ class Sampling:
 GREEDY = Sampling(temperature=0)
 
 
-def mask_width(model: Transformer, end: int) -> int:
-    """How much of the cache a step attends over: up to its last slot, or (compiled, a fixed
-    shape) the whole cache."""
-    return model.cache_len if model.compiled_step is not None else end
-
-
 def per_row(on_tokens):
     """A single sequence's on_tokens(ids) as a batch's on_tokens(row, ids)."""
     return on_tokens and (lambda _, ids: on_tokens(ids))
@@ -208,8 +224,9 @@ def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, se
     tokens = [[t] for t in next_tokens[:, 0].tolist()]
     out = [Generation(t, 0, 0.0, prefill_seconds=time.perf_counter() - start) for t in tokens]
     C = torch.tensor([[len(p)] for p in prompts], device=dev)  # (B, 1)
-    lengths = [len(p) for p in prompts]  # C on the host, for the mask's width
+    lengths = [len(p) for p in prompts]  # C on the host: the span of the cache read
     active = list(range(len(prompts)))  # the rows still decoding, in the cache's row order
+    alone = torch.ones(len(prompts), 1, 1, dtype=torch.bool, device=dev)  # each token's block: itself
     for b in active:
         on_tokens and on_tokens(b, tokens[b])
     while True:
@@ -221,9 +238,8 @@ def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, se
             active, C, next_tokens = [active[j] for j in keep], C[keep], next_tokens[keep]
         for j, b in enumerate(active):
             switch_rope(model, j, lengths[b], prompts[b] + tokens[b])
-        S = mask_width(model, max(lengths[b] for b in active) + 1)
-        mask = (torch.arange(S, device=dev) <= C)[:, None]  # (B, 1, S): the committed slots and its own
-        logits = model.step(next_tokens, C, C, mask)  # (B, 1, V)
+        span = min(lengths[b] for b in active), max(lengths[b] for b in active)
+        logits = model.step(next_tokens, C, C, alone[:len(active)], span)  # (B, 1, V): each sees its committed slots
         next_tokens = sampling.pick(logits[:, -1], [gens[b] for b in active])
         C = C + 1
         for b, t in zip(active, next_tokens[:, 0].tolist()):  # the one host sync per step

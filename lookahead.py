@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import torch
 
-from decoding import (Generation, Sampling, check_requests, drop_finished, ensure_cache, mask_width, per_row, prefill,
+from decoding import (Generation, Sampling, check_requests, drop_finished, ensure_cache, per_row, prefill,
                       step_room, switch_rope)
 from shape import Shape, shape_policy
 
@@ -434,18 +434,17 @@ def verify(row: Sequence, tree: Tree, pred: list[int], logits) -> tuple[list[int
 def pack_inputs(model, batch: list[Sequence], parts: list, T: int):
     """The step's inputs for every row, built on the host and sent in ONE host-to-device copy
     (five tensors a row would be five copies, each a sync point on a GPU): tokens (B, T),
-    positions (B, T), slots (B, T), the mask (B, T, S) and the logits rows to read (B, R)."""
+    positions (B, T), committed (B, 1), the in-step block mask (B, T, T), the span of committed
+    lengths (on the host) and the logits rows to read (B, R). Row b's step sits in slots C_b ..
+    C_b+T-1, after its committed ones, which all its tokens see: only the block is per token."""
     dev, B = model.device, len(batch)
     R = max(len(read) for *_, read in parts)
     packed = torch.cat([torch.cat((seq, offsets, block.flatten(), torch.tensor(read + read[:1] * (R - len(read))),
                                    torch.tensor([row.C]))) for row, (seq, offsets, block, read) in zip(batch, parts)]
                        ).to(dev).view(B, -1)
     tokens, offsets, block, read, C = packed.split((T, T, T * T, R, 1), dim=1)
-    slots = C + torch.arange(T, device=dev)  # row b's step sits in its slots C_b .. C_b+T-1
-    S = mask_width(model, max(row.C for row in batch) + T)
-    mask = (torch.arange(S, device=dev) < C)[:, None].repeat(1, T, 1)  # (B, T, S): the committed slots
-    mask.scatter_(2, slots[:, None].expand(B, T, T), block.view(B, T, T).bool())  # and the row's own block
-    return tokens, C + offsets, slots, mask, read
+    span = min(row.C for row in batch), max(row.C for row in batch)
+    return tokens, C + offsets, C, block.reshape(B, T, T).bool(), span, read
 
 
 def lookahead_step(model, policy, batch: list[Sequence], on_step=None):

@@ -1,10 +1,11 @@
 """A single-file Llama in plain PyTorch, built for lookahead decoding; Mistral, Qwen2, Qwen3,
 Phi-3/Phi-4 and Gemma 3 are the same block with the few differences that ModelArgs lists.
 
-Besides the usual causal forward, one call can run T tokens at arbitrary RoPE positions,
-write their K/V into chosen slots of a preallocated cache, and attend under an arbitrary
-boolean mask. That is everything lookahead decoding asks of a model: the window, the
-verification candidates and the last token share one forward, each with its own context.
+Besides the usual causal forward, one call can run T tokens at arbitrary RoPE positions after
+a row's committed tokens in a preallocated cache, all of which they see, and among themselves
+under an arbitrary T x T boolean mask. That is everything lookahead decoding asks of a model:
+the window, the verification candidates and the last token share one forward, each with its
+own context; a long prompt runs the same way, in chunks, each causal.
 
 Transformer.from_pretrained loads Hugging Face checkpoints (config.json + safetensors) straight
 onto the device; checkpoint.py reads that format.
@@ -19,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attention import attention_with_lse, math_attention, merge
 from checkpoint import hf_model_args, read_config, read_weights
 from linear import Linear, tune_cpu_products
 
@@ -32,6 +34,13 @@ COMPILED_CACHE = 4096  # a compiled model's cache slots unless asked otherwise (
 
 def step_size(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def cache_bucket(used: int, cache_len: int) -> int:
+    """How much of the cache a compiled step reads when `used` slots are committed: the next
+    power of two from 256, at most the cache. A step costs what the context in use costs (at
+    most 2x it), and a CUDA graph is recorded once per bucket, a handful of them."""
+    return min(cache_len, max(256, 1 << (used - 1).bit_length()))
 
 
 @dataclass
@@ -128,7 +137,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.scale = args.attn_scale  # None: SDPA's 1/sqrt(head_dim)
+        self.scale = args.attn_scale or args.head_dim ** -0.5
         # q, k and v in one product (the checkpoint's three are stacked at load, see checkpoint.py).
         self.qkv_proj = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
@@ -142,9 +151,16 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x, cos, sin, attn_mask, slots, cache_rows):
+    def forward(self, x, cos, sin, own, prefix, slots, rows):
+        """own: how this call's tokens see one another: None = causally, an additive (B, 1, T, T)
+        mask (a step's block, a band past a sliding window), or False = through the prefix (a
+        one-token step: its slot is read with the committed ones). prefix: None, or (start, end,
+        mask): the cache slots [start, end) they also see, under an additive (B, 1, 1, S) mask
+        (one entry a row and slot) or None, or in a sliding layer a bool (B, 1, 1, T, S) band
+        (Transformer.keys builds them). rows: this call's rows of the cache (a slice)."""
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        g = H // Hkv  # grouped-query attention: K/V head j serves query heads j*g .. (j+1)*g - 1
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, hd)
         qk = qkv[:, :, :H + Hkv]
         if self.q_norm is not None:  # Qwen3, Gemma 3: each head's q and k normed before RoPE
@@ -153,28 +169,31 @@ class Attention(nn.Module):
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, hd)
         k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, hd)
         v = qkv[:, :, H + Hkv:].transpose(1, 2)
-        if slots is not None:  # write this call's K/V where the caller put them: token t of row b
-            # to slot slots[b, t] (or slots[t]) of cache row cache_rows[b]
-            self.k_cache[cache_rows, :, slots] = k.transpose(1, 2)  # indexed as (B, T, Hkv, hd)
-            self.v_cache[cache_rows, :, slots] = v.transpose(1, 2)
-        if attn_mask is None or attn_mask.dtype == torch.bool:
-            # A prefill: causal among this call's own tokens and nothing else. SDPA's causal
-            # kernels never build a (T, T) mask, so memory stays linear in T; a sliding layer's
-            # band past its window is a boolean (T, T), one byte a pair, shared by the heads.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                               scale=self.scale, enable_gqa=H != Hkv)  # (B, H, T, hd)
+        if slots is not None:  # keep this call's K/V: token t of row b in slot slots[b, t] of its cache row
+            index = (torch.arange(B, device=x.device)[:, None], slice(None), slots)  # as (B, T, Hkv, hd)
+            self.k_cache[rows][index] = k.transpose(1, 2)  # a view of the buffer, written in place
+            self.v_cache[rows][index] = v.transpose(1, 2)
+        if own is None and prefix is None:  # a whole prompt: SDPA's causal kernel, memory linear in T
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=g > 1)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))
-        # Attend over the first S slots of the cache (S = mask width): the rest is unused.
-        S = attn_mask.shape[-1]
-        k, v = self.k_cache[:, :, :S], self.v_cache[:, :, :S]  # (B, Hkv, S, hd)
-        # Grouped-query attention: K/V head j serves query heads j*group .. (j+1)*group - 1.
-        # Folding those heads into one longer query, (B, Hkv, group*T, hd), lets any SDPA kernel
-        # run GQA under a mask without copying K/V; the mask's rows are repeated per head to
-        # match (Transformer.attention_mask).
-        group = H // Hkv
-        q = q.reshape(B, Hkv, group * T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)  # (B, Hkv, group*T, hd)
-        y = y.view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
+        # The attention splits where its mask does, into parts that merge exactly (merge):
+        #
+        #   keys:  [ committed prefix: all of it for every token | this call's T tokens ]
+        #            one mask entry a slot (a band if sliding)     a T x T mask
+        y = None
+        if own is not False:  # this call's tokens: their own K/V, repeated for the grouped heads (T x hd each)
+            y = attention_with_lse(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), self.scale,
+                                   own, causal=own is None)  # (B, H, T, hd), (B, H, T, 1)
+        if prefix is not None:
+            start, end, mask = prefix
+            kc, vc = self.k_cache[rows, :, start:end], self.v_cache[rows, :, start:end]  # views, (B, Hkv, S, hd)
+            if mask is not None and mask.dtype == torch.bool:  # a sliding layer's band: per token, in math
+                out, lse = math_attention(q.view(B, Hkv, g, T, hd), kc, vc, self.scale, mask)
+            else:  # the g heads of a K/V head folded into one query of g*T rows: K/V read once, not copied
+                out, lse = attention_with_lse(q.reshape(B, Hkv, g * T, hd), kc, vc, self.scale, mask)
+            part = out.reshape(B, H, T, hd), lse.reshape(B, H, T, 1)
+            y = part if y is None else (merge(y, part), None)
+        y = y[0].to(x.dtype).transpose(1, 2).reshape(B, T, H * hd)
         return self.o_proj(y)
 
 
@@ -204,8 +223,8 @@ class Block(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
-    def forward(self, x, cos, sin, attn_mask, slots, cache_rows):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, slots, cache_rows)
+    def forward(self, x, cos, sin, own, prefix, slots, rows):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, own, prefix, slots, rows)
         if not self.sandwich:
             x = x + h
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -235,9 +254,6 @@ class Transformer(nn.Module):
         self.register_buffer("long_inv_freq", rope_inv_freq(args, long=True) if longrope else None, persistent=False)
         # Gemma's embedding scale as a float32 tensor, rounded to the model's dtype as Gemma does.
         self.register_buffer("embed_scale", torch.tensor(args.embed_scale, device="cpu"), persistent=False)
-        # With sliding layers, the position of the token in each cache slot (B, cache_len): a step's
-        # band follows the slots' positions, whatever order the decoders keep them in.
-        self.register_buffer("slot_positions", None, persistent=False)
         self.compiled_step = None  # see compile_steps
         self.compiled_sizes = ()
         self.cache_len = 0  # slots in the KV cache; 0 = none set up (the decoders track what is committed)
@@ -250,10 +266,10 @@ class Transformer(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def setup_cache(self, max_seq_len: int, batch: int = 1):
+    def setup_cache(self, max_seq_len: int, batch: int = 1, spare=False):
         """Allocate the static KV cache once, (B, n_kv_heads, max_seq_len, head_dim) for each
         layer's K and V, a row per sequence; every decode step writes into it in place."""
-        if max_seq_len > self.args.max_seq_len:
+        if max_seq_len > self.args.max_seq_len + spare:
             raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
         if self.compiled_step is not None:
             raise ValueError("a compiled model keeps the cache it was compiled with")
@@ -262,8 +278,6 @@ class Transformer(nn.Module):
             attn = layer.self_attn
             attn.k_cache, attn.v_cache = (torch.zeros(batch, a.n_kv_heads, max_seq_len, a.head_dim,
                                                       dtype=self.dtype, device=self.device) for _ in "kv")
-        if self.slides:
-            self.slot_positions = torch.zeros(batch, max_seq_len, dtype=torch.long, device=self.device)
         self.cache_len = max_seq_len
 
     @property
@@ -280,9 +294,6 @@ class Transformer(nn.Module):
             for cache in (attn.k_cache, attn.v_cache):
                 cache[:n, :, :used] = cache[index, :, :used]  # gathered first, then written
             attn.k_cache, attn.v_cache = attn.k_cache[:n], attn.v_cache[:n]
-        if self.slides:
-            self.slot_positions[:n, :used] = self.slot_positions[index, :used]
-            self.slot_positions = self.slot_positions[:n]
 
     def kv(self) -> torch.Tensor:
         """Every layer's K and V stacked, (n_layers, 2, B, n_kv_heads, cache_len, head_dim): a copy,
@@ -306,13 +317,12 @@ class Transformer(nn.Module):
         for layer in self.layers:
             for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
                 cache[rows, :, dst] = cache[rows, :, src]  # gathered first, then written: overlaps are safe
-        if self.slides:  # (B, cache_len)
-            self.slot_positions[rows, dst] = self.slot_positions[rows, src]
 
-    def rope(self, positions, local=False, whole=False):
+    def rope(self, positions, local=False, last=None):
         """cos and sin at these positions (T,) or (B, T): (T, 1, d) or (B, T, 1, d), rotate_half's
         sign in sin (apply_rope); once per forward for the layers of a kind (local: Gemma 3's sliding
-        ones), in float32 at least. whole: the positions of a whole prompt run at once (a prefill)."""
+        ones), in float32 at least. last: (B, 1), the last position of the prompt these positions
+        belong to (a prefill, in one call or in chunks); None: decoded tokens, each by its own."""
         wide = torch.promote_types(self.dtype, torch.float32)
         inv_freq = self.local_inv_freq if local else self.inv_freq
         s = self.args.rope_scaling
@@ -320,7 +330,7 @@ class Transformer(nn.Module):
             # Longrope (Phi-3) takes its long factors past the original context. transformers picks
             # a set per forward by its largest position: a decoded token switches at `original`, a
             # longer prompt takes the long set throughout; each token here gets the set greedy gave it.
-            late = (positions.amax(-1, keepdim=True) if whole else positions) >= s["original_max_position_embeddings"]
+            late = (positions if last is None else last) >= s["original_max_position_embeddings"]
             inv_freq = torch.where(late[..., None], self.long_inv_freq, inv_freq)  # (..., T, d/2)
         angles = positions.to(wide)[..., None] * inv_freq.to(wide)  # (..., T, d/2)
         cos, sin = angles.cos(), angles.sin()
@@ -329,86 +339,106 @@ class Transformer(nn.Module):
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         return cos[..., None, :].to(self.dtype), sin[..., None, :].to(self.dtype)
 
-    def attention_mask(self, mask):
-        """The boolean (T, S) or (B, T, S) mask as SDPA's additive float mask, built once for all
-        layers (SDPA would convert a boolean one in every layer): rows repeated for the query
-        heads folded together in Attention, (group*T, S) or (B, 1, group*T, S), and a row stride
-        that is a multiple of 16, which fused GPU attention kernels need to read it in place."""
-        group = self.args.n_heads // self.args.n_kv_heads
-        *B, T, S = mask.shape
-        out = torch.full((*B, group * T, -(-S // 16) * 16), float("-inf"), dtype=self.dtype, device=mask.device)
-        out = out[..., :S].masked_fill_(mask.repeat(*[1] * len(B), group, 1), 0.0)
-        return out[:, None] if B else out
-
-    def forward(self, tokens, positions=None, slots=None, mask=None, rows=None, cache_row=None, check=True, head=True):
+    def forward(self, tokens, positions=None, committed=None, block=None, span=None, rows=None, cache_row=None,
+                prompt_end=None, check=True, head=True):
         """tokens (B, T) -> logits (B, T, vocab).
 
-        Without a mask: causal among these tokens alone, at positions 0..T-1 unless given (a
-        prefill; with `slots`, their K/V also go into those cache slots). With the cache: token t
-        sits at RoPE position positions[t], writes its K/V into cache slot slots[t], and attends
-        to the cache slots s < S where mask[t, s] is True (mask is (T, S), S <= cache_len).
-        Per row instead: positions and slots (B, T), mask (B, T, S), each row in its own cache row.
+        Without `committed`: causal among these tokens alone, at positions 0..T-1 unless given (B, T)
+        or (T,), and no cache. With committed (B, 1): row b has committed[b] tokens in slots
+        [0, committed[b]) of its cache row, slot s holding position s; this call's token t sits at
+        RoPE position positions[b, t], writes its K/V into slot committed[b] + t, and attends to
+        the committed slots and to this call's tokens: causally (block None: a prompt, or a chunk
+        of one after the chunks before it) or where block[b, t, u] is True (B, T, T): a decoding
+        step's tree and window, any shape of them.
+        span: (least, most) of committed, known on the host: the cache slots read (default: read
+        from committed, a host sync; a compiled step passes a bucket, step()).
         rows: compute logits only for these token indices, (R,) or per row (B, R) (the LM head is
         a large part of a small model's step, and lookahead reads few of the rows).
-        cache_row: write into this row of the cache (a prefill of one row of a batch; B = 1).
+        cache_row: this call's one sequence is row cache_row of the cache (a prefill of a batch).
+        prompt_end: the last position of the prompt a chunk belongs to (longrope's factors follow it).
         check: raise if a position reaches the model's context (one host sync; step() skips it).
         head=False: the final normed hidden states (B, T, dim) instead, to read logits in pieces.
         """
         B, T = tokens.shape
-        if positions is None:
-            positions = torch.arange(T, device=tokens.device)
-        if mask is not None and slots is None:
-            raise ValueError("a mask attends over the cache: give the slots too")
+        dev = tokens.device
+        positions = (torch.arange(T, device=dev) if positions is None else positions).expand(B, T)
         if check and not torch.compiler.is_compiling() and int(positions.max()) >= self.args.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past the model's context of {self.args.max_seq_len}")
-        cache_rows = (torch.arange(B, device=tokens.device)[:, None] if cache_row is None  # (B, 1)
-                      else torch.full((1, 1), cache_row, device=tokens.device))
-        full = (*self.rope(positions, whole=mask is None), None if mask is None else self.attention_mask(mask))
+        slots, cache, lo, hi = None, None, 0, 0
+        if committed is not None:
+            slots = committed + torch.arange(T, device=dev)  # (B, T)
+            lo, hi = span if span is not None else (int(committed.min()), int(committed.max()))
+            cache = slice(0, B) if cache_row is None else slice(cache_row, cache_row + 1)
+        last = None
+        if block is None:  # a prompt: longrope takes one set of factors for all of it
+            last = positions.amax(-1, keepdim=True) if prompt_end is None else positions.new_full((B, 1), prompt_end)
+        full = (*self.rope(positions, last=last), *self.keys(positions, committed, block, lo, hi))
         local = full
         if self.slides:
-            if slots is not None:  # where each of these tokens' K/V goes, its position goes too
-                self.slot_positions[cache_rows, slots] = positions
             local = (*(self.rope(positions, local=True) if self.local_inv_freq is not None else full[:2]),
-                     self.window_mask(positions, mask, cache_rows))
+                     *self.keys(positions, committed, block, lo, hi, self.args.sliding_window))
         x = self.embed_tokens(tokens)  # (B, T, dim)
         if self.args.embed_scale != 1.0:
             x = x * self.embed_scale.to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, *(local if self.slides and self.slides[i] else full), slots, cache_rows)
+            x = layer(x, *(local if self.slides and self.slides[i] else full), slots, cache)
         if rows is not None:
-            x = x[:, rows] if rows.dim() == 1 else x[torch.arange(B, device=x.device)[:, None], rows]
+            x = x[:, rows] if rows.dim() == 1 else x[torch.arange(B, device=dev)[:, None], rows]
         return self.lm_head(self.norm(x)) if head else self.norm(x)
 
-    def window_mask(self, positions, mask, cache_rows):
-        """A sliding layer's mask: the same keys, less those at positions p <= q_pos - window. In a
-        step the band compares each query's position with each slot's (slot_positions, kept through
-        rollbacks); a prefill is causal by index, and past the window a boolean (T, T) band."""
-        window = self.args.sliding_window
-        if mask is None:
-            if positions.shape[-1] <= window:
-                return None  # causal alone is the band
-            d = positions[..., :, None] - positions[..., None, :]  # (..., T, T)
-            band = (d >= 0) & (d < window)
-            return band[:, None] if band.dim() == 3 else band
-        keys = self.slot_positions[cache_rows[:, 0], :mask.shape[-1]]  # (B, S)
-        return self.attention_mask(mask & (positions[..., :, None] - keys[:, None, :] < window))
+    def keys(self, positions, committed, block, lo, hi, window=None):
+        """What this call's tokens attend to in the layers of one kind (window: a sliding layer's
+        width), as (own, prefix) for Attention: built once a forward, shared by those layers.
 
-    def step(self, tokens, positions, slots, mask, rows=None):
-        """One decoding step of B rows: forward(tokens (B, T), positions (B, T), slots (B, T),
-        mask (B, T, S), rows (B, R)) -> logits (B, R, V).
+        The committed prefix is one mask entry per row and slot, (B, 1, 1, S), whatever T and the
+        heads (none at all when every row sees every slot read); only this call's own T x T, and
+        a sliding layer's band (keys at q_pos - window < p <= q_pos), are per token."""
+        B, T = positions.shape
+        own = None  # causal
+        if block is not None or (window and T > window):
+            keep = torch.ones(B, T, T, dtype=torch.bool, device=positions.device).tril() if block is None else block
+            if window:
+                keep = keep & (positions[:, :, None] - positions[:, None, :] < window)
+            own = self.additive(keep)[:, None]  # (B, 1, T, T)
+        if committed is None or hi == 0:
+            return own, None
+        end = hi
+        if block is not None and T == 1 and lo == hi:  # one token a row, every row as long: its own
+            own, end = False, hi + 1  # slot read with the committed ones, one fused call and no mask
+            committed = committed + 1
+        start = max(0, lo - window + 1) if window else 0
+        slot = torch.arange(start, end, device=positions.device)
+        seen = slot < committed  # (B, S): each row's committed slots
+        if window:
+            band = seen[:, None, :] & (positions[:, :, None] - slot < window)  # (B, T, S)
+            return own, (start, end, band[:, None, None])
+        return own, (start, end, None if lo == hi else self.additive(seen)[:, None, None])  # (B, 1, 1, S)
 
-        Compiled (compile_steps), a step of a compiled size over the whole cache (S = cache_len)
-        replays its graph, which computes every token's logits (a fixed shape), and `rows` are
-        picked from them after; anything else runs eagerly."""
+    def additive(self, keep):
+        """A boolean mask as attention's additive one: 0 where kept, -inf elsewhere."""
+        return torch.zeros(keep.shape, dtype=self.dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+    def step(self, tokens, positions, committed, block, span, rows=None):
+        """One decoding step of B rows: forward(tokens (B, T), positions (B, T), committed (B, 1),
+        block (B, T, T), span) -> logits (B, R, V) for rows (B, R).
+
+        Compiled (compile_steps), a step of a compiled size replays its graph, which reads the
+        cache up to a bucket of the committed length (cache_bucket: few widths, so few graphs)
+        and computes every token's logits (a fixed shape); `rows` are picked from them after.
+        Anything else runs eagerly."""
         T = tokens.shape[1]
-        if self.compiled_step is not None and T in self.compiled_sizes and mask.shape[-1] == self.cache_len:
+        if self.compiled_step is not None and T in self.compiled_sizes:
             # A graph is specialised on its inputs' strides too, and on which of them are one
             # tensor: fresh contiguous copies, as at the warm-up (a few small copies a step).
-            inputs = (t.clone(memory_format=torch.contiguous_format) for t in (tokens, positions, slots, mask))
-            logits = self.compiled_step(*inputs)
+            inputs = [t.clone(memory_format=torch.contiguous_format) for t in (tokens, positions, committed, block)]
+            logits = self.compiled_step(*inputs, cache_bucket(span[1], self.cache_len))
             return logits if rows is None else logits[torch.arange(len(rows), device=rows.device)[:, None], rows]
         # The decoders size every step to fit the cache (<= the context): no sync to check positions.
-        return self(tokens, positions, slots, mask, rows=rows, check=False)
+        return self(tokens, positions, committed, block, span, rows=rows, check=False)
+
+    def bucketed_step(self, tokens, positions, committed, block, width):
+        """The compiled step's function: every logit, reading cache slots [0, width)."""
+        return self(tokens, positions, committed, block, (0, width), check=False)
 
     @torch.inference_mode()
     def compile_steps(self, sizes, cache_len=None, log=None):
@@ -416,23 +446,30 @@ class Transformer(nn.Module):
         request compiles later: on CUDA as CUDA graphs ("reduce-overhead": one replay instead of
         ~1,100 kernel launches), on the CPU with inductor's C++ kernels.
 
-        Every compiled step has a fixed shape: one sequence of T tokens, attention over the whole
-        cache under the mask (no slicing by the committed length), all T rows of logits. So the
-        cache is allocated once, here, with cache_len slots (default: COMPILED_CACHE, or the
-        model's context if shorter; a request that needs more is refused) and one row, and kept. Warmed up under inference_mode, as the decoders run: a graph is
-        specialised on it."""
-        self.setup_cache(cache_len or min(COMPILED_CACHE, self.args.max_seq_len))
+        A compiled step is one sequence of T tokens and computes all T rows of logits; the cache
+        is allocated once, here, with cache_len slots (default: COMPILED_CACHE, or the model's
+        context if shorter; a request that needs more is refused) and one row, and kept. The
+        width of cache it reads is a symbol of the graph (dynamic=True), so one graph a size
+        serves every bucket of the committed length (cache_bucket); CUDA records one replay per
+        bucket, the first time it comes up. Warmed up under inference_mode, as the decoders run:
+        a graph is specialised on it."""
+        slots = cache_len or min(COMPILED_CACHE, self.args.max_seq_len)
+        # One slot more than requests may use, never read: a read of [0, width) is then never the
+        # whole buffer, which the graph would otherwise be specialised on (a second graph).
+        self.setup_cache(slots + 1, spare=True)
+        self.cache_len = slots
         mode = "reduce-overhead" if self.device.type == "cuda" else None
-        self.compiled_step = torch.compile(self.forward, fullgraph=True, dynamic=False, mode=mode)
+        self.compiled_step = torch.compile(self.bucketed_step, fullgraph=True, dynamic=True, mode=mode)
+        width = cache_bucket(1, self.cache_len)
         for T in sizes:
             start = time.perf_counter()
             idx = torch.arange(T, device=self.device)[None]  # (1, T)
-            mask = torch.zeros(1, T, self.cache_len, dtype=torch.bool, device=self.device)
-            mask[0, idx[0], idx[0]] = True
-            # Positions and slots as distinct tensors, as the decoders pass them: a graph guarded
-            # on the two being one tensor would be compiled again at the first request.
+            block = torch.ones(1, T, T, dtype=torch.bool, device=self.device).tril()
+            # Positions and committed as distinct tensors, as the decoders pass them: a graph
+            # guarded on the two being one tensor would be compiled again at the first request.
             for _ in range(3 if mode else 1):  # CUDA graphs record on the second or third call
-                self.compiled_step(torch.zeros(1, T, dtype=torch.long, device=self.device), idx, idx.clone(), mask)
+                self.compiled_step(torch.zeros(1, T, dtype=torch.long, device=self.device), 1 + idx,
+                                   torch.ones(1, 1, dtype=torch.long, device=self.device), block, width)
             log and log(f"compiled the {T}-token step in {time.perf_counter() - start:.1f} s")
         self.compiled_sizes = tuple(sizes)
 

@@ -3,6 +3,7 @@ real checkpoint against transformers' greedy output, and clear errors."""
 import json
 import random
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from conftest import FAMILY_OPTIONS, assert_matches_reference, random_model, wri
 from model import Transformer
 from tokenizer import Tokenizer
 from cli import main
+import decoding
 from decoding import Sampling, greedy_decode, greedy_decode_batch, rope_switch, sample_decode
 from recycling import TokenRecycling, rank_paths
 from lookahead import Candidate, DraftSource, JacobiGuess, NGramPool, Tree, Verified, lookahead_decode, lookahead_decode_batch, step_inputs
@@ -61,8 +63,10 @@ def test_lookahead_equals_greedy():
         expected = greedy_decode(model, prompt, max_new, stop).tokens
         steps = []
         drafts = None if jacobi_guess else lambda seq: [seq.pool]  # the default: the pool, then the Jacobi guess
-        got = lookahead_decode(model, prompt, max_new, ngram=N, stop_ids=stop, seed=seed, drafts=drafts,
-                               on_step=steps.append, **shape)
+        chunk = data.draw(st.sampled_from([1024, 3, 7]))  # greedy's prompt whole, lookahead's in chunks
+        with mock.patch.object(decoding, "PREFILL_CHUNK", chunk):
+            got = lookahead_decode(model, prompt, max_new, ngram=N, stop_ids=stop, seed=seed, drafts=drafts,
+                                   on_step=steps.append, **shape)
         assert got.tokens == expected
         assert sum(got.committed) + 1 == len(got.tokens)
         assert max(got.committed, default=1) <= N
@@ -71,6 +75,8 @@ def test_lookahead_equals_greedy():
             assert 1 + s.guesses + s.window * s.levels <= s.size and s.size in SIZES + [256]
         seen["runs"] += 1
         seen[family] += 1
+        seen["prompt in chunks"] += len(prompt) > chunk
+        seen["a chunk past the window"] += bool(model.slides) and min(chunk, len(prompt)) > model.args.sliding_window
         seen[f"{family} past the window"] += bool(model.slides) and len(prompt) + len(got.tokens) > model.args.sliding_window + 1
         seen[f"{family} past the switch"] += rope_switch(model) is not None and len(prompt) + len(got.tokens) > rope_switch(model) + 1
         seen["multi"] += max(got.committed, default=1) > 1
@@ -95,6 +101,7 @@ def test_lookahead_equals_greedy():
         assert seen[f"{mode} steps"] > 0 and seen[f"{mode} merged"] > 0, seen
     assert seen["flat window"] and seen["adversarial window narrowed"] and seen["adversarial padded"], seen
     assert all(seen[f"{f} past the window"] for f in ("sliding", "gemma", "phi3")) and seen["phi3 past the switch"], seen
+    assert seen["prompt in chunks"] and seen["a chunk past the window"], seen
 
 
 def trajectory_mask(tree, W, L):
@@ -758,7 +765,7 @@ def test_cli_generates_and_compares(tiny_checkpoint, capsys):
     assert out.strip()
 
 
-def test_cli_show_is_plain_off_a_terminal_and_trace_shows_the_step(tiny_checkpoint, capsys):
+def test_cli_show_is_plain_off_a_terminal_and_trace_shows_the_step(tiny_checkpoint, capsys, monkeypatch):
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8",
                              "--max-new-tokens", "20", "--show", "--trace", "2", "--window", "2", "--ngram", "3",
                              "--candidates", "2")
@@ -767,7 +774,9 @@ def test_cli_show_is_plain_off_a_terminal_and_trace_shows_the_step(tiny_checkpoi
     assert "-- step 1" in err and "-- step 2" in err and "-- step 3" not in err
     assert "window level 0" in err and "committed" in err
     # The dynamic default says what it chose and why; after a step with a candidate, its
-    # leftover is the Jacobi guess.
+    # leftover is the Jacobi guess (with steps free, so that the clock cannot rule guesses out).
+    from shape import DynamicShape
+    monkeypatch.setattr(DynamicShape, "costs", lambda self, B: StepCosts.flat())
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w20 w21 w20 w21",
                              "--max-new-tokens", "20", "--trace", "20", "--device", "cpu")
     assert code == 0, err

@@ -79,45 +79,45 @@ def test_llama3_rope_frequencies():
     assert ((scaled[mid] < base[mid]) & (scaled[mid] > base[mid] / 8)).all()
 
 
+def at(n: int) -> torch.Tensor:
+    """committed = n for one row, (1, 1)."""
+    return torch.tensor([[n]])
+
+
 def test_incremental_decoding_matches_full_forward():
+    # A prompt in two chunks (the second causal over itself and the first), then one token a step.
     model = random_model(seed=1)
     tokens = torch.randint(0, 32, (1, 20))
     full = model(tokens)  # plain causal forward
     model.setup_cache(32)
     idx = torch.arange(20)
-    causal = torch.ones(20, 20, dtype=torch.bool).tril()
-    prefix = model(tokens[:, :8], idx[:8], idx[:8], causal[:8, :8])
-    steps = [model(tokens[:, t:t + 1], idx[t:t + 1], idx[t:t + 1], causal[t:t + 1, :t + 1]) for t in range(8, 20)]
-    torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), full, rtol=0, atol=1e-12)
+    chunks = [model(tokens[:, :5], idx[:5], at(0)), model(tokens[:, 5:8], idx[5:8], at(5))]
+    alone = torch.ones(1, 1, 1, dtype=torch.bool)
+    steps = [model(tokens[:, t:t + 1], idx[t:t + 1], at(t), alone) for t in range(8, 20)]
+    torch.testing.assert_close(torch.cat([*chunks, *steps], dim=1), full, rtol=0, atol=1e-12)
 
 
 def tree_step(model, prefix_len):
-    """A step over a tree of tokens in scrambled slots: token i extends parent[i] (-1 = the
-    cached prefix). Returns tokens, parents, slots and the logits."""
+    """A step over a tree of tokens after a cached prefix: token i extends parent[i] (-1 = the
+    cached prefix), in slot prefix_len + i. Returns tokens, parents, slots and the logits."""
     parents = [-1, 0, 1, -1, 3, 0, 5, 6]
     tokens = torch.randint(0, 32, (1, len(parents)))
     depth = []
     for p in parents:
         depth.append(0 if p < 0 else depth[p] + 1)
-    # The first token in the first free slot, as a decoder puts `last`; the others with gaps, in any order.
-    slots = prefix_len + torch.cat((torch.zeros(1, dtype=torch.long), 1 + torch.randperm(len(parents) + 3)[:len(parents) - 1]))
-    mask = torch.zeros(len(parents), prefix_len + len(parents) + 4, dtype=torch.bool)
-    mask[:, :prefix_len] = True
+    block = torch.zeros(1, len(parents), len(parents), dtype=torch.bool)
     for i in range(len(parents)):
-        j = i
-        while j >= 0:
-            mask[i, slots[j]] = True
-            j = parents[j]
+        block[0, i, ancestry(parents, i)] = True
     positions = prefix_len + torch.tensor(depth)
-    return tokens, parents, slots, model(tokens, positions, slots, mask)
+    slots = prefix_len + torch.arange(len(parents))
+    return tokens, parents, slots, model(tokens, positions, at(prefix_len), block)
 
 
 def cached_prefix(model, n, cache_len):
     """Random prefix tokens (1, n), run through a fresh cache of cache_len slots."""
     prefix = torch.randint(0, 32, (1, n))
     model.setup_cache(cache_len)
-    idx = torch.arange(n)
-    model(prefix, idx, idx, torch.ones(n, n, dtype=torch.bool).tril())
+    model(prefix, torch.arange(n), at(0))
     return prefix
 
 
@@ -192,7 +192,7 @@ def test_rollback_moves_slots_like_a_fresh_run():
     fresh.setup_cache(40)
     seq = torch.cat([prefix, tokens[:, keep]], dim=1)
     n = seq.shape[1]
-    fresh(seq, torch.arange(n), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+    fresh(seq, torch.arange(n), at(0))
     torch.testing.assert_close(model.kv()[..., :n, :], fresh.kv()[..., :n, :], rtol=0, atol=1e-12)
 
 
@@ -213,23 +213,27 @@ def test_rms_norm_of_a_float64_model_stays_float64():
     torch.testing.assert_close(norm(x), want, rtol=0, atol=1e-13)  # float32 rounding would be ~1e-7
 
 
-def test_the_prefill_builds_no_mask_and_matches_masked_steps(monkeypatch):
-    # A prompt's prefill is causal through SDPA's own kernels: no (P, P) mask is ever built, and
-    # its cache and logits are those of running the prompt through the masked path.
-    from decoding import prefill
+@pytest.mark.parametrize("chunk", [16, 1024])
+def test_the_prefill_runs_fused_kernels_in_chunks_and_matches_one_token_steps(monkeypatch, chunk):
+    # A prompt's prefill, whole or in chunks each causal over the cache so far, only ever calls
+    # fused attention (no (T, S) scores or per-token mask in memory), and gives the cache and
+    # logits of running the prompt one token a step.
+    import decoding
+    import model as model_py
     model = random_model(seed=6)
     prompt = [int(t) for t in torch.randint(0, model.args.vocab_size, (40,), generator=torch.Generator().manual_seed(0))]
     model.setup_cache(64)
-    idx = torch.arange(40)
-    want = model(torch.tensor([prompt]), idx, idx, torch.ones(40, 40, dtype=torch.bool).tril())[:, -1:]
+    alone = torch.ones(1, 1, 1, dtype=torch.bool)
+    want = [model(torch.tensor([[t]]), at(i)[0], at(i), alone) for i, t in enumerate(prompt)][-1][:, -1]
     want_cache = model.kv()[..., :40, :].clone()
     model.setup_cache(64)
 
-    def no_mask(*args):
-        raise AssertionError("the prefill built an attention mask")
+    def no_math(*args):
+        raise AssertionError("the prefill built scores in plain math")
 
-    monkeypatch.setattr(model, "attention_mask", no_mask)
-    got = prefill(model, [prompt])[:, None]
+    monkeypatch.setattr(model_py, "math_attention", no_math)
+    monkeypatch.setattr(decoding, "PREFILL_CHUNK", chunk)
+    got = decoding.prefill(model, [prompt])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(model.kv()[..., :40, :], want_cache, rtol=0, atol=1e-12)
 
@@ -401,11 +405,12 @@ needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c+
 def compiled_pair():
     """The same tiny float64 model twice: eager, and with every step size up to 8 compiled. Every
     family's options at once (Gemma's window of 5 on layer 0, and Phi-3's partial rotary and
-    longrope switch at 24), so the compiled step runs windows over slot positions and both RoPEs."""
+    longrope switch at 24), so the compiled step runs windows and both RoPEs; a cache of 320
+    slots, so that a request crosses from reading the first 256 (a bucket) to all 320."""
     options = dict(FAMILY_OPTIONS["gemma"], rotary_dim=4, rope_scaling=FAMILY_OPTIONS["phi3"]["rope_scaling"])
-    eager = random_model(seed=9, vocab_size=16, max_seq_len=96, **options)
-    compiled = random_model(seed=9, vocab_size=16, max_seq_len=96, **options)
-    compiled.compile_steps((1, 2, 4, 8), cache_len=64)  # less than the context: requests must fit it
+    eager = random_model(seed=9, vocab_size=16, max_seq_len=400, **options)
+    compiled = random_model(seed=9, vocab_size=16, max_seq_len=400, **options)
+    compiled.compile_steps((1, 2, 4, 8), cache_len=320)  # less than the context: requests must fit it
     return eager, compiled
 
 
@@ -418,7 +423,7 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
     eager, compiled = compiled_pair
     graphs = counters["stats"]["unique_graphs"]
     costs = StepCosts({1: 1.0, 2: 1.0, 4: 1.1, 8: 1.3})  # a fixed cost model: repeatable shapes
-    for prompt, n in (([1, 2, 3, 1, 2, 3, 1, 2], 30), ([5, 6, 7, 8, 9] * 3, 41), ([4], 12)):
+    for prompt, n in (([1, 2, 3, 1, 2, 3, 1, 2], 30), ([5, 6, 7, 8, 9] * 3, 41), ([4], 12), ([3, 1, 4, 1, 5] * 48, 40)):
         runs = [
             lambda m: greedy_decode(m, prompt, n),
             lambda m: lookahead_decode(m, prompt, n, costs=costs),
@@ -429,7 +434,7 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
         for run in runs:
             want, got = run(eager), run(compiled)
             assert got.tokens == want.tokens and got.committed == want.committed
-            # Padding and the whole-cache attention leave the committed cache as eager's.
+            # Padding and the bucket's unused slots leave the committed cache as eager's.
             C = len(prompt) + len(want.tokens) - 1
             torch.testing.assert_close(compiled.kv()[..., :C, :], eager.kv()[..., :C, :], rtol=0, atol=1e-10)
     assert counters["stats"]["unique_graphs"] == graphs  # new prompt lengths and lengths: no new graph
@@ -440,12 +445,11 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
 @needs_compiler
 def test_a_compiled_model_keeps_its_cache(compiled_pair):
     _, compiled = compiled_pair
-    assert compiled.cache_len == 64  # what was asked, not the model's context (96)
-    with pytest.raises(ValueError, match="needs 70 cache slots and the compiled cache holds 64; load with max_seq_len=70"):
-        greedy_decode(compiled, [1] * 30, 41)
+    assert compiled.cache_len == 320  # what was asked, not the model's context (400)
+    with pytest.raises(ValueError, match="needs 340 cache slots and the compiled cache holds 320; load with max_seq_len=340"):
+        greedy_decode(compiled, [1] * 300, 41)
     buffers = dict(compiled.named_buffers())  # buffers: their addresses stay fixed for CUDA graphs
     assert all(f"layers.{i}.self_attn.{kv}_cache" in buffers for i in range(2) for kv in "kv")
-    assert "slot_positions" in buffers
     with pytest.raises(ValueError, match="compiled"):
         compiled.setup_cache(48)
 
@@ -456,7 +460,7 @@ def test_a_compiled_cache_is_what_was_asked_not_the_context():
     from model import COMPILED_CACHE
     model = random_model(max_seq_len=131072)
     model.compile_steps(())
-    assert model.cache_len == COMPILED_CACHE == 4096 and model.kv().shape[-2] == 4096
+    assert model.cache_len == COMPILED_CACHE == 4096 and model.kv().shape[-2] == 4096 + 1  # a spare slot
     small = random_model(max_seq_len=1024)
     small.compile_steps((), cache_len=300)
     assert small.cache_len == 300
@@ -547,3 +551,29 @@ def test_the_cached_steps_are_the_full_forward_at_every_position(family, seed, p
     for token in got:
         assert int(model(torch.tensor([seq]))[0, -1].argmax()) == token
         seq.append(token)
+
+
+# --- attention in parts -----------------------------------------------------------------------
+
+def test_attention_split_in_two_parts_and_merged_equals_attention_over_all_keys():
+    # The fused kernel's log-sum-exp, plain math's, and their merge: attention over [prefix | own]
+    # in two parts equals one softmax over all the keys, also where a query sees no key of a part.
+    from attention import attention_with_lse, math_attention, merge
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 8, dtype=torch.float64), *torch.randn(2, 2, 3, 12, 8, dtype=torch.float64)
+    keep = torch.rand(2, 1, 5, 12) < 0.6
+    keep[..., 9:] = True  # every query sees one key of the second part at least
+    keep[0, 0, 1, :9] = False  # and query 1 of row 0 none of the first
+    scores = (q @ k.transpose(-1, -2)) / 8 ** 0.5
+    want = scores.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+    additive = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    first = math_attention(q[:, :, None], k[:, :, :9], v[:, :, :9], 8 ** -0.5, keep[:, :, None, :, :9])
+    first = first[0][:, :, 0], first[1][:, :, 0]
+    assert torch.isinf(first[1][0, :, 1]).all() and (first[0][0, :, 1] == 0).all()
+    second = attention_with_lse(q, k[:, :, 9:], v[:, :, 9:], 8 ** -0.5, additive[..., 9:])
+    torch.testing.assert_close(merge(first, second), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(merge(second, first), want, rtol=0, atol=1e-12)
+    whole, lse = attention_with_lse(q, k, v, 8 ** -0.5, causal=True)  # causal: query i sees keys 0..i
+    causal = torch.ones(5, 12, dtype=torch.bool).tril()
+    torch.testing.assert_close(whole, scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse[..., 0], scores.masked_fill(~causal, float("-inf")).logsumexp(-1), rtol=0, atol=1e-12)

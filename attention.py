@@ -1,0 +1,64 @@
+"""Attention in parts that merge exactly: what lets a decoding step's mask cost what its
+distinct part costs.
+
+A step's T tokens see two sets of keys: the committed prefix, all of it for every token of a
+row (one mask entry a slot, or none), and the step's own T tokens, under a per-token T x T mask.
+Each part runs as its own attention and returns, with its output, each query's log-sum-exp: the
+log of its softmax's normaliser. Two parts then merge into attention over both sets at once:
+
+    out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b) = lerp(out_b, out_a, sigmoid(lse_a - lse_b))
+
+so no (T, S) mask is ever built, and grouped-query heads share one mask entry per token.
+"""
+import torch
+
+
+def attention_with_lse(q, k, v, scale, mask=None, causal=False):
+    """softmax(q k^T * scale + mask) v and each query's log-sum-exp (the softmax's normaliser),
+    so that attention over two disjoint sets of keys merges exactly (merge). q (B, h, M, hd),
+    k and v (B, h, S, hd), mask additive, broadcast to (B, h, M, S). Fused through the kernels
+    SDPA itself calls, which return the log-sum-exp too (no (M, S) scores in memory); in plain
+    math elsewhere. Returns out (B, h, M, hd) and lse (B, h, M, 1), float32 at least."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                              scale=scale)
+        return out, lse[..., None]
+    if q.device.type == "cuda":
+        if mask is not None:  # the kernel reads the bias in place: rows 16-aligned, expanded to every head
+            S = mask.shape[-1]
+            aligned = mask.new_zeros(*mask.shape[:-1], -(-S // 16) * 16)
+            aligned[..., :S] = mask
+            mask = aligned[..., :S].expand(q.shape[0], q.shape[1], q.shape[2], S)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+        return out, lse[..., :q.shape[2], None]  # the kernel may pad lse's rows
+    keep = None if mask is None else mask == 0
+    if causal:
+        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    out, lse = math_attention(q[:, :, None], k, v, scale, None if keep is None else keep[:, :, None])
+    return out[:, :, 0], lse[:, :, 0]
+
+
+def math_attention(q, k, v, scale, keep):
+    """Attention in plain math, where a mask is per token over few keys: a sliding layer's band.
+    q (B, Hkv, g, M, hd): the g query heads of each K/V head side by side, so that grouped heads
+    share K/V without a copy; k, v (B, Hkv, S, hd); keep: bool, broadcast to (B, Hkv, g, M, S),
+    (B, 1, 1, M, S) here, one entry a token whatever the heads. A query with no key gets out 0
+    and lse -inf (merge gives it no weight). Returns out (B, Hkv, g, M, hd), lse (..., M, 1)."""
+    B, Hkv, g, M, hd = q.shape
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(wide).reshape(B, Hkv, g * M, hd) @ k.to(wide).transpose(-1, -2)) * scale  # (B, Hkv, g*M, S)
+    scores = scores.view(B, Hkv, g, M, -1)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = scores.logsumexp(-1, keepdim=True)
+    p = (scores - lse.nan_to_num(neginf=0.0)).exp()
+    return (p.view(B, Hkv, g * M, -1) @ v.to(wide)).view(B, Hkv, g, M, hd), lse
+
+
+def merge(a, b):
+    """Attention over the keys of a and of b together, from each one's (out, lse): a's share of
+    the joint softmax's mass is e^lse_a / (e^lse_a + e^lse_b) = sigmoid(lse_a - lse_b)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    wide = lse_a.dtype
+    return torch.lerp(out_b.to(wide), out_a.to(wide), torch.sigmoid(lse_a - lse_b))
