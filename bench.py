@@ -5,6 +5,8 @@
     python bench.py --device cuda --compile --configs dynamic 15,5,15 7,5,7
     python bench.py --sweep --json results.json      # a grid of W,N,G
     python bench.py --batch 8 --max-new-tokens 64    # the prompts one by one vs in batches of 8
+    python bench.py --long --max-new-tokens 128      # ~500 to ~6,000-token summaries, prefill and decode apart
+    python bench.py --contexts 2048 32768 131072     # compiled: K/V allocated and a step's cost per context
     python bench.py --dataset spec-bench --per-category 2 --configs dynamic dynamic:pool,recycling,jacobi \
         --plot spec_bench.png                        # Spec-Bench by category, transformers' peers beside
 
@@ -308,6 +310,193 @@ def plot_spec_bench(file, names, categories, summary):
     fig.savefig(file, dpi=110)
 
 
+LONG_LENGTHS = (500, 2000, 6000)  # --long: documents of about this many tokens
+
+
+def long_documents(tokenizer, lengths=LONG_LENGTHS) -> list[tuple[int, list[int]]]:
+    """Summarisation prompts of about each length: Spec-Bench's summarization articles in the
+    file's order, as many as it takes to reach the length (the first one cut to it where it is
+    longer), under one instruction, through the chat template."""
+    articles = [q["turns"][0].removeprefix("Summarize: ") for q in map(json.loads, SPEC_BENCH.read_text().splitlines())
+                if q["category"] == "summarization"]
+    documents = []
+    for target in lengths:
+        text, n = "", 0
+        for article in articles:
+            if n >= target:
+                break
+            text += article + "\n\n"
+            n = len(tokenizer.encode(text))
+        ids = tokenizer.encode(text)[:target]
+        doc = tokenizer.decode(ids)
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Summarize these news articles in a few sentences.\n\n{doc}"}]))
+        documents.append((target, prompt))
+    return documents
+
+
+PEAK_PREFILL = """
+import json, sys, torch
+from pathlib import Path
+path, which, ids, device, dtype = json.loads(sys.argv[1])
+dtype = getattr(torch, dtype)
+if which == "ours":
+    from decoding import ensure_cache, prefill
+    from model import Transformer
+    model = Transformer.from_pretrained(path, device, dtype)
+    run = lambda: (ensure_cache(model, len(ids), 1), prefill(model, [ids]))  # the KV cache counted in
+else:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    run = lambda: model(torch.tensor([ids], device=device))  # its cache is made here, counted in
+status = lambda f: next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(f))
+with torch.inference_mode():
+    if device == "cuda":
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); before = torch.cuda.memory_allocated()
+        run(); torch.cuda.synchronize(); print((torch.cuda.max_memory_allocated() - before) / 2 ** 20)
+    else:
+        Path("/proc/self/clear_refs").write_text("5"); before = status("VmRSS:")
+        run(); print((status("VmHWM:") - before) / 1024)
+"""
+
+
+def prefill_peak_mb(path, which, ids, device, dtype) -> float | None:
+    """The memory a prefill adds at its peak (MB), in a fresh process so that nothing freed
+    earlier hides it: resident memory's high-water mark (Linux), or CUDA's allocated peak."""
+    args = json.dumps([str(path), which, ids, device.type, str(dtype).removeprefix("torch.")])
+    out = subprocess.run([sys.executable, "-c", PEAK_PREFILL, args], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent)
+    return float(out.stdout.split()[-1]) if out.returncode == 0 and out.stdout.split() else None
+
+
+def step_costs_at(model, committed: int, sizes=(1, 4, 16, 64), repeats=5) -> dict[int, float]:
+    """Seconds of an eager step of each size after `committed` tokens (the least of `repeats`):
+    how a step's cost grows with the context."""
+    out = {}
+    with torch.inference_mode():
+        for T in sizes:
+            idx = torch.arange(T, device=model.device)[None]
+            C = torch.full((1, 1), committed, device=model.device)
+            block = torch.ones(1, T, T, dtype=torch.bool, device=model.device).tril()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                timed(lambda: model.step(idx % 8, C + idx, C, block, (committed, committed)), model.device)
+                times.append(time.perf_counter() - start)
+            out[T] = min(times)
+    return out
+
+
+def bench_long(model, tokenizer, path, configs, greedy, lookahead, args, device):
+    """--long: summaries of documents of ~500, ~2,000 and ~6,000 tokens, the prefill and the
+    decode timed apart. Prefill: ours (in chunks, decoding.prefill) and transformers' forward over
+    the prompt, tokens/s and the memory each adds at its peak, the KV cache included. Decode:
+    tokens/s after the first token, speed-up over our greedy's decode, tokens per step, identity.
+    Then a step's cost by its size at each context (how the decode's cost grows)."""
+    from decoding import ensure_cache, prefill
+    hf = None
+    if args.peers:
+        try:
+            from transformers import AutoModelForCausalLM
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype).to(device).eval()
+        except ImportError:
+            print("transformers is not installed: its prefill is skipped", flush=True)
+    names = ["greedy"] + [c.name for c in configs]
+    head = ["prompt tokens", "prefill tokens/s", "peak MB"] + (["transformers tokens/s", "peak MB", "ours vs"] if hf else [])
+    head += [f"{n}: decode tokens/s" for n in names] + [f"{n}: tokens/step, decode speed-up" for n in names[1:]]
+    head += ["same as greedy"]
+    body = []
+    costs = {}
+    for target, ids in long_documents(tokenizer, args.long or LONG_LENGTHS):
+        ours, theirs = [], []
+        with torch.inference_mode():
+            ensure_cache(model, len(ids) + args.max_new_tokens, 1)
+            for _ in range(args.repeats):  # the prefill alone, alternating with transformers'
+                start = time.perf_counter()
+                timed(lambda: prefill(model, [ids]), device)
+                ours.append(time.perf_counter() - start)
+                if hf:
+                    start = time.perf_counter()
+                    timed(lambda: hf(torch.tensor([ids], device=device)), device)
+                    theirs.append(time.perf_counter() - start)
+        costs[len(ids)] = step_costs_at(model, len(ids))
+        decode = {n: [] for n in names}
+        for _ in range(args.repeats):
+            ref = timed(lambda: greedy(ids), device)
+            decode["greedy"].append(ref.seconds - ref.prefill_seconds)
+            gens = {"greedy": ref}
+            for name, cfg in zip(names[1:], configs):
+                gens[name] = timed(lambda: lookahead(ids, cfg), device)
+                decode[name].append(gens[name].seconds - gens[name].prefill_seconds)
+        n_decoded = len(ref.tokens) - 1
+        rate = {n: n_decoded / statistics.median(decode[n]) for n in names}
+        mb = [prefill_peak_mb(path, which, ids, device, model.dtype) for which in ["ours"] + (["transformers"] if hf else [])]
+        row = [str(len(ids)), f"{len(ids) / statistics.median(ours):.0f}", f"{mb[0]:.0f}" if mb[0] is not None else "?"]
+        if hf:
+            row += [f"{len(ids) / statistics.median(theirs):.0f}", f"{mb[1]:.0f}" if mb[1] is not None else "?",
+                    f"{statistics.median(theirs) / statistics.median(ours):.2f}x"]
+        row += [f"{rate[n]:.1f}" for n in names]
+        row += [f"{gens[n].tokens_per_step:.2f}, {rate[n] / rate['greedy']:.2f}x" for n in names[1:]]
+        row.append("yes" if all(gens[n].tokens == ref.tokens for n in names) else "NO")
+        body.append(row)
+        print(f"{target}-token document done", file=sys.stderr, flush=True)
+    print_table(head, body, args.readme)
+    print()
+    sizes = list(next(iter(costs.values())))
+    print_table(["context (tokens)"] + [f"{T}-token step: ms, x a 1-token step at {min(costs)}" for T in sizes],
+                [[str(n)] + [f"{c[T] * 1e3:.0f}, {c[T] / costs[min(costs)][1]:.2f}x" for T in sizes]
+                 for n, c in costs.items()], args.readme)
+    return 0 if all(row[-1] == "yes" for row in body) else 1
+
+
+def bench_contexts(path, contexts, device, dtype, compile_sizes=(1, 8), committed=500, repeats=15):
+    """--contexts: the same checkpoint with config.json's max_position_embeddings set to each of
+    `contexts` (a temporary copy, the weights linked), loaded compiled with default arguments:
+    the K/V it allocates, its compile time, and a step's cost at `committed` tokens, alternating
+    between the contexts (the least of `repeats`), against the first context's."""
+    import shutil
+    import tempfile
+    models = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in contexts:
+            folder = Path(tmp) / str(n)
+            folder.mkdir()
+            for f in Path(path).iterdir():
+                (folder / f.name).symlink_to(f.resolve())
+            config = json.loads((Path(path) / "config.json").read_text())
+            (folder / "config.json").unlink()
+            (folder / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=n)))
+            model = Transformer.from_pretrained(folder, device, dtype)
+            if n == contexts[0]:  # the same model eager, for comparison
+                model.setup_cache(min(2 * committed, model.args.max_seq_len))
+                models["eager"] = model, 0.0, sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+                                                  if name.endswith("_cache"))
+                model = Transformer.from_pretrained(folder, device, dtype)
+            start = time.perf_counter()
+            model.compile_steps(compile_sizes)
+            kv = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.endswith("_cache"))
+            models[n] = model, time.perf_counter() - start, kv
+        seconds = {(n, T): [] for n in models for T in compile_sizes}
+        with torch.inference_mode():
+            for _ in range(repeats):
+                for n, (model, _, _) in models.items():
+                    for T in compile_sizes:
+                        idx = torch.arange(T, device=device)[None]
+                        C = torch.full((1, 1), committed, device=device)
+                        block = torch.ones(1, T, T, dtype=torch.bool, device=device).tril()
+                        start = time.perf_counter()
+                        timed(lambda: model.step(idx % 8, C + idx, C, block, (committed, committed)), device)
+                        seconds[n, T].append(time.perf_counter() - start)
+    head = ["max_position_embeddings", "cache slots", "K/V allocated (MB)", "compile (s)"]
+    head += [f"{T}-token step at {committed} (ms), vs {contexts[0]}" for T in compile_sizes]
+    body = [[f"{contexts[0]}, eager" if n == "eager" else str(n), str(model.cache_len), f"{kv / 2 ** 20:.0f}",
+             "-" if n == "eager" else f"{secs:.0f}"]
+            + [f"{min(seconds[n, T]) * 1e3:.1f}, {min(seconds[n, T]) / min(seconds[contexts[0], T]):.2f}x"
+               for T in compile_sizes] for n, (model, secs, kv) in models.items()]
+    print_table(head, body, False)
+    return 0
+
+
 def timed(fn, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -338,10 +527,15 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=0, metavar="B", help="compare one by one with batches of B prompts")
     ap.add_argument("--dataset", choices=["spec-bench"], default=None,
                     help="Spec-Bench's questions (data/spec_bench) instead of the built-in prompts, by category")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None, metavar="N",
+                    help="the model compiled with its context set to each N: K/V allocated, a step's cost at 500")
+    ap.add_argument("--long", type=int, nargs="*", default=None, metavar="TOKENS",
+                    help="summaries of documents of these lengths (default 500 2000 6000): prefill and decode apart")
+    ap.add_argument("--max-seq-len", type=int, default=None, help="with --compile: the cache's slots (default 4096)")
     ap.add_argument("--per-category", type=int, default=2, metavar="K",
                     help="with --dataset: the first K questions of each category (default 2)")
     ap.add_argument("--no-peers", dest="peers", action="store_false",
-                    help="with --dataset: leave out transformers' greedy and prompt lookup decoding")
+                    help="with --dataset or --long: leave out transformers (greedy, prompt lookup, prefill)")
     ap.add_argument("--plot", default=None, metavar="FILE.png", help="with --dataset: draw the table (needs matplotlib)")
     args = ap.parse_args(argv)
     if args.batch < 0 or args.batch == 1 or (args.batch and args.compile):
@@ -359,10 +553,12 @@ def main(argv=None):
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.contexts:
+        return bench_contexts(path, args.contexts, device, DTYPES[args.dtype])
     compile_seconds = 0.0
     if args.compile:
         start = time.perf_counter()
-        model.compile_steps(STEP_SIZES)
+        model.compile_steps(STEP_SIZES, args.max_seq_len)
         compile_seconds = time.perf_counter() - start
     dtype = model.dtype
     tokenizer = Tokenizer.from_pretrained(path)
@@ -380,7 +576,7 @@ def main(argv=None):
 
     command = "python bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"{'' if args.readme else '# '}`{command}`: {machine(device)}, {str(dtype).removeprefix('torch.')}, "
-          f"{f'Spec-Bench, {args.per_category} per category' if args.dataset else f'{len(prompts)} prompts'} x {n_new} "
+          f"{f'Spec-Bench, {args.per_category} per category' if args.dataset else 'summaries of Spec-Bench articles' if args.long is not None else f'{len(prompts)} prompts'} x {n_new} "
           f"tokens, median of {args.repeats} runs"
           + (f", compiled in {compile_seconds:.0f} s" if args.compile else "") + (":\n" if args.readme else ""), flush=True)
     for ids in prompts[:2]:  # warm-up: allocator, caches, kernels
@@ -388,6 +584,8 @@ def main(argv=None):
     if args.batch:
         return bench_batch(model, prompts, args.batch, configs, names_of(configs), greedy, lookahead, n_new, stop,
                            costs, args.repeats, args.readme)
+    if args.long is not None:
+        return bench_long(model, tokenizer, path, configs, greedy, lookahead, args, device)
     if args.dataset:
         names, answers = bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, device)
         measured = STEP_COSTS.get(model, {}).get(1)

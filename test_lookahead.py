@@ -2,6 +2,7 @@
 real checkpoint against transformers' greedy output, and clear errors."""
 import json
 import random
+import shutil
 from collections import Counter
 from unittest import mock
 
@@ -982,3 +983,29 @@ def test_bench_batch_compares_one_by_one_with_batches(tiny_checkpoint, tmp_path,
     monkeypatch.setattr(bench, "lookahead_decode_batch", drop_last_row)
     assert bench.main(argv) == 1
     assert "NO" in capsys.readouterr().out
+
+
+def test_bench_long_times_prefill_and_decode_apart(tmp_path, capsys):
+    import bench
+    from conftest import write_checkpoint
+    folder = write_tokenizer(write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=4096)))
+    code = bench.main(["--model", str(folder), "--long", "40", "300", "--max-new-tokens", "8", "--repeats", "1"])
+    table = capsys.readouterr().out
+    assert code == 0, table
+    rows = [line for line in table.splitlines() if line.strip()]
+    assert "transformers tokens/s" in rows[1]  # documents of 40 and 300 tokens, in the chat template
+    assert 40 < int(rows[2].split()[0]) < 100 and 300 < int(rows[3].split()[0]) < 360
+    assert rows[2].split()[-1] == rows[3].split()[-1] == "yes"  # identical to greedy
+    assert "1-token step" in rows[4] and len(rows) == 7  # a step's cost by size at each context
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="torch.compile on the CPU needs a C++ compiler")
+def test_bench_contexts_compiles_the_cache_asked_for_not_the_context(tmp_path, capsys):
+    import bench
+    from conftest import write_checkpoint
+    folder = write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=64))
+    assert bench.bench_contexts(folder, [64, 16384], torch.device("cpu"), torch.float64, compile_sizes=(1,),
+                                committed=20, repeats=2) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1].split()[:3] == ["64,", "eager", "40"] and rows[2].split()[:2] == ["64", "64"]
+    assert rows[3].split()[:2] == ["16384", "4096"]  # the default cache, not the context
