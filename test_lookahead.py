@@ -50,7 +50,7 @@ def test_lookahead_equals_greedy():
     and repetitive prompts make n-grams recur) and accepted Jacobi guesses."""
     seen = Counter()
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 32), N=st.integers(2, 6),
            max_new=st.integers(1, 60), context=st.sampled_from([40, 64, 256]), jacobi_guess=st.booleans(),
            family=st.sampled_from(list(FAMILY_OPTIONS)), data=st.data())
