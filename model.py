@@ -176,14 +176,22 @@ class Attention(nn.Module):
         if own is None and prefix is None:  # a whole prompt: SDPA's causal kernel, memory linear in T
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=g > 1)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))
-        # The attention splits where its mask does, into parts that merge exactly (merge):
-        #
-        #   keys:  [ committed prefix: all of it for every token | this call's T tokens ]
-        #            one mask entry a slot (a band if sliding)     a T x T mask
-        y = None
+        return self.o_proj(self.attend(q, k, v, own, prefix, rows).to(x.dtype).transpose(1, 2).reshape(B, T, H * hd))
+
+    def attend(self, q, k, v, own, prefix, rows):
+        """q (B, H, T, hd), this call's k and v (B, Hkv, T, hd) -> (B, H, T, hd). The attention
+        splits where its mask does, into parts that merge exactly (merge):
+
+          keys:  [ committed prefix: all of it for every token | this call's T tokens ]
+                   one mask entry a slot (a band if sliding)     a T x T mask
+        """
+        B, H, T, hd = q.shape
+        Hkv = self.n_kv_heads
+        g = H // Hkv
+        parts = []  # (out (B, H, T, hd), lse (B, H, T, 1)) of each part
         if own is not False:  # this call's tokens: their own K/V, repeated for the grouped heads (T x hd each)
-            y = attention_with_lse(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), self.scale,
-                                   own, causal=own is None)  # (B, H, T, hd), (B, H, T, 1)
+            parts.append(attention_with_lse(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), self.scale,
+                                            own, causal=own is None))
         if prefix is not None:
             start, end, mask = prefix
             kc, vc = self.k_cache[rows, :, start:end], self.v_cache[rows, :, start:end]  # views, (B, Hkv, S, hd)
@@ -191,10 +199,8 @@ class Attention(nn.Module):
                 out, lse = math_attention(q.view(B, Hkv, g, T, hd), kc, vc, self.scale, mask)
             else:  # the g heads of a K/V head folded into one query of g*T rows: K/V read once, not copied
                 out, lse = attention_with_lse(q.reshape(B, Hkv, g * T, hd), kc, vc, self.scale, mask)
-            part = out.reshape(B, H, T, hd), lse.reshape(B, H, T, 1)
-            y = part if y is None else (merge(y, part), None)
-        y = y[0].to(x.dtype).transpose(1, 2).reshape(B, T, H * hd)
-        return self.o_proj(y)
+            parts.append((out.reshape(B, H, T, hd), lse.reshape(B, H, T, 1)))
+        return merge(*parts) if len(parts) == 2 else parts[0][0]
 
 
 class MLP(nn.Module):
