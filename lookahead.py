@@ -4,7 +4,8 @@ Greedy decoding is the fixed point of y_i = argmax p(. | prompt, y_<i) for all f
 Jacobi iteration guesses many future tokens and refines them in parallel; each guess drags an
 n-gram behind it. Lookahead decoding keeps a 2-D window of those guesses, pools the n-grams they
 trace, and in the SAME forward verifies the pooled n-grams that start with the last token: what
-verification accepts is exactly what greedy decoding produces, and a step commits up to N tokens.
+verification accepts is exactly what greedy decoding produces, and a step commits up to N tokens
+(a pooled n-gram's; other draft sources' chains may be longer).
 
 One step, as lookahead_step runs it for every row of a batch:
 
@@ -49,8 +50,9 @@ class Candidate:
 class DraftSource:
     """Where guesses come from. `drafts(seq)` makes each row's sources when a request starts;
     before every step propose(seq, k) returns candidate continuations of seq.tokens[-1], best
-    first, each of at most k guesses; after it observe(seq, step) sees the Verified step (with
-    the model's top_k best tokens after every verified row, if top_k > 0). Any source is exact:
+    first, each of at most k guesses (what is left before max_new_tokens; the source knows how
+    far its guesses are worth making); after it observe(seq, step) sees the Verified step (with
+    the model's top_k best tokens after every row read, if top_k > 0). Any source is exact:
     verification accepts only the guesses greedy decoding would produce."""
 
     top_k = 0
@@ -308,11 +310,13 @@ def verify_sampled(tree: Tree, probs, rng, gen) -> tuple[list[int], int]:
 @dataclass
 class Verified:
     """What one row's step did, for the draft sources, the policy and the loop: the trie run and
-    w window columns, the model's prediction after every row read (pred; top: its best tokens
-    there, if a source asked), the accepted nodes (path), the tokens committed, and the cache
-    slots (after C) holding the committed K/V."""
+    w window columns, the token at every row read (read: the trie's nodes, then the newest window
+    level's) and the model's prediction after each (pred; top: its best tokens there, if a source
+    asked), the accepted nodes (path), the tokens committed, and the cache slots (after C)
+    holding the committed K/V."""
     tree: Tree
     w: int
+    read: list[int]
     pred: list[int]
     top: list[list[int]] | None
     path: list[int]
@@ -361,8 +365,10 @@ class Sequence:
 
     def propose(self) -> list[Candidate]:
         """1. Propose: every draft source's continuations of `last`, in the sources' order (the
-        pool's, then the Jacobi guess). None need guess past max_new_tokens."""
-        k = min(self.N - 1, self.max_new - len(self.tokens) - 1)
+        pool's, then the Jacobi guess). None need guess past max_new_tokens; how far short of it
+        a chain stops is its source's choice (a pooled n-gram's rest is N-1 guesses, token
+        recycling's up to 6), how many of its guesses are worth a step the policy's."""
+        k = self.max_new - len(self.tokens) - 1
         if k <= 0:
             return []
         return [replace(c, tokens=tuple(c.tokens[:k])) for s in self.sources for c in s.propose(self, k) if c.tokens]
@@ -384,11 +390,12 @@ class Sequence:
         #    step's slots lie past the committed length: overwritten next step.
         slots = [self.C] + [self.C + v for v in path]
         self.C += len(slots)
+        read = tree.tokens + (self.window[-1][:w] if w else [])  # before the window moves on
         trace = on_step and self.trace(tree, w, shape, path)  # before the window moves on
         self.jacobi_update(tree.tokens[0], pred[len(tree):len(tree) + w])
         # 7. Commit, stopping exactly where greedy would: at a stop id, or at max_new_tokens;
         #    then every draft source sees the step.
-        step = Verified(tree, w, pred, top, path, self.commit([tree.tokens[v] for v in path] + [bonus]), slots)
+        step = Verified(tree, w, read, pred, top, path, self.commit([tree.tokens[v] for v in path] + [bonus]), slots)
         for source in self.sources:
             source.observe(self, step)
         on_step and on_step({**trace, "committed": step.committed})

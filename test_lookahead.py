@@ -16,7 +16,7 @@ from tokenizer import Tokenizer
 from cli import main
 import decoding
 from decoding import Sampling, greedy_decode, greedy_decode_batch, rope_switch, sample_decode
-from recycling import TokenRecycling, rank_paths
+from recycling import TEMPLATE, TokenRecycling
 from lookahead import Candidate, DraftSource, JacobiGuess, NGramPool, Tree, Verified, lookahead_decode, lookahead_decode_batch, step_inputs
 from shape import Acceptance, StepCosts, choose_shape
 from model import step_size
@@ -217,25 +217,29 @@ def test_the_one_guess_is_the_ngram_seen_after_the_same_token():
 
 # --- draft sources ---------------------------------------------------------------------------
 
-def test_recycling_template_is_best_first_and_closed_under_prefixes():
-    paths = rank_paths(64, 8, 4)
-    assert len(paths) == len(set(paths)) == 64 and paths[:3] == [(0,), (0, 0), (1,)]
-    assert all(p[:-1] in paths for p in paths if len(p) > 1)  # every path's parent is in
-    assert all(max(p) < 8 and len(p) <= 4 for p in paths)
-    value = [2.0 ** -sum(r + 1 for r in p) for p in paths]
-    assert value == sorted(value, reverse=True)
+def test_recycling_template_is_the_published_tree():
+    # Token Recycling's 80-node tree: 8 ranks, 6 deep, 8 / 21 / 25 / 15 / 8 / 3 nodes a depth; propose
+    # needs every path after its prefix, and a path's elder sibling in it (its leaves test child 0).
+    assert len(TEMPLATE) == len(set(TEMPLATE)) == 80 and max(max(p) for p in TEMPLATE) == 7
+    assert [sum(len(p) == d for p in TEMPLATE) for d in range(1, 7)] == [8, 21, 25, 15, 8, 3]
+    assert all(TEMPLATE.index(p[:-1]) < TEMPLATE.index(p) for p in TEMPLATE if len(p) > 1)
+    assert all(p[:-1] + (p[-1] - 1,) in TEMPLATE for p in TEMPLATE if p[-1])
 
 
 def test_recycling_offers_the_tree_of_the_models_last_top_k():
     seq = type("Seq", (), dict(prompt=[5, 6, 5, 7], tokens=[5]))()
-    tr = TokenRecycling(seq, k=2, nodes=6)
+    tr = TokenRecycling(seq, template=[(0,), (0, 0), (1,), (0, 0, 0), (0, 1), (1, 0)])
+    assert tr.top_k == 2
     tr.observe_prefill(seq, [[6, 7], [5, 9], [7, 6], [8, 9]])  # the model's top 2 after each prompt token
     assert tr.next == {5: [7, 6], 6: [5, 9], 7: [8, 9]}  # the later sighting of 5 wins
-    # The template's 6 paths: (0,) (0,0) (1,) (0,0,0) (0,1) (1,0), followed through the table (8: unranked).
+    # The template's paths followed through the table (8: unranked, so (0,0,0) ends at 8)...
     assert [c.tokens for c in tr.propose(seq, 3)] == [(7, 8), (7, 9), (6, 5)]
+    assert [c.tokens for c in tr.propose(seq, 1)] == [(7,), (6,)]  # ...never past k
+    # A step reads the trie's rows (last 5, guesses 7 and 1) and the window's newest level (6, 2):
+    # the trie's rank anew, accepted or not; the window's only tokens the table does not know.
     tree = Tree(5, [Candidate((7, 1), "recycling")])
-    tr.observe(seq, Verified(tree, 0, [9, 9, 9], [[8, 9], [3, 4], [2, 1]], [], [9], [0]))
-    assert tr.next[5] == [8, 9] and tr.next[7] == [3, 4] and tr.next[1] == [2, 1]  # every verified row
+    tr.observe(seq, Verified(tree, 2, [5, 7, 1, 6, 2], [9] * 5, [[8, 9], [3, 4], [2, 1], [0, 3], [6, 6]], [], [9], [0]))
+    assert tr.next == {5: [8, 9], 6: [5, 9], 7: [3, 4], 1: [2, 1], 2: [6, 6]}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -246,7 +250,7 @@ def test_token_recycling_is_exact_in_both_shapes(seed, vocab, N, max_new, family
     prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20))
     _, shape = draw_shape(data, 6)
     drafts = data.draw(st.sampled_from([lambda seq: [seq.pool, TokenRecycling(seq), JacobiGuess()],
-                                        lambda seq: [TokenRecycling(seq, k=3, nodes=10)]]))
+                                        lambda seq: [TokenRecycling(seq, template=[p for p in TEMPLATE if max(p) < 2])]]))
     got = lookahead_decode(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
     assert got.tokens == greedy_decode(model, prompt, max_new).tokens
 
