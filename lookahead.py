@@ -390,8 +390,9 @@ class Sequence:
         #    step's slots lie past the committed length: overwritten next step.
         slots = [self.C] + [self.C + v for v in path]
         self.C += len(slots)
-        read = tree.tokens + (self.window[-1][:w] if w else [])  # before the window moves on
-        trace = on_step and self.trace(tree, w, shape, path)  # before the window moves on
+        # Before the window moves on: the tokens of the rows read, and the trace.
+        read = tree.tokens + (self.window[-1][:w] if w else [])
+        trace = on_step and self.trace(tree, w, shape, path)
         self.jacobi_update(tree.tokens[0], pred[len(tree):len(tree) + w])
         # 7. Commit, stopping exactly where greedy would: at a stop id, or at max_new_tokens;
         #    then every draft source sees the step.

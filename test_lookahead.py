@@ -274,6 +274,16 @@ class Oracle(DraftSource):
         self.at += len(step.committed)
 
 
+def test_a_source_may_guess_past_the_ngram_size():
+    # Only the pool's n-grams are N long: a source that knows more (an oracle, noise-free) has its
+    # chains verified whole by the dynamic shape, so a step commits more than N tokens.
+    model = random_model(seed=5, vocab_size=16)
+    prompt, N = [1, 2, 3], 2
+    truth = greedy_decode(model, prompt, 30).tokens
+    got = lookahead_decode(model, prompt, 30, ngram=N, costs=StepCosts.flat(), drafts=lambda seq: [Oracle(truth, 16)])
+    assert got.tokens == truth and max(got.committed) > N
+
+
 def test_a_new_draft_source_is_exact_in_both_shapes():
     """A source the decoder has never seen, beside the pool and the Jacobi guess: the output is
     still greedy's, in fixed shapes and the dynamic one (which gives it a prior and learns it);
