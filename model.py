@@ -375,14 +375,7 @@ class Transformer(nn.Module):
             slots = committed + torch.arange(T, device=dev)  # (B, T)
             lo, hi = span if span is not None else (int(committed.min()), int(committed.max()))
             cache = slice(0, B) if cache_row is None else slice(cache_row, cache_row + 1)
-        last = None
-        if block is None:  # a prompt: longrope takes one set of factors for all of it
-            last = positions.amax(-1, keepdim=True) if prompt_end is None else positions.new_full((B, 1), prompt_end)
-        full = (*self.rope(positions, last=last), *self.keys(positions, committed, block, lo, hi))
-        local = full
-        if self.slides:
-            local = (*(self.rope(positions, local=True) if self.local_inv_freq is not None else full[:2]),
-                     *self.keys(positions, committed, block, lo, hi, self.args.sliding_window))
+        full, local = self.layer_inputs(positions, committed, block, lo, hi, prompt_end)
         x = self.embed_tokens(tokens)  # (B, T, dim)
         if self.args.embed_scale != 1.0:
             x = x * self.embed_scale.to(x.dtype)
@@ -391,6 +384,20 @@ class Transformer(nn.Module):
         if rows is not None:
             x = x[:, rows] if rows.dim() == 1 else x[torch.arange(B, device=dev)[:, None], rows]
         return self.lm_head(self.norm(x)) if head else self.norm(x)
+
+    def layer_inputs(self, positions, committed, block, lo, hi, prompt_end):
+        """(cos, sin, own, prefix) for the global layers and for the sliding ones (the same tuple
+        where none slides): built once a forward, shared by every layer of a kind."""
+        last = None
+        if block is None:  # a prompt: longrope takes one set of factors for all of it
+            last = (positions.amax(-1, keepdim=True) if prompt_end is None
+                    else positions.new_full((positions.shape[0], 1), prompt_end))  # (B, 1)
+        full = (*self.rope(positions, last=last), *self.keys(positions, committed, block, lo, hi))
+        if not self.slides:
+            return full, full
+        local = (*(self.rope(positions, local=True) if self.local_inv_freq is not None else full[:2]),
+                 *self.keys(positions, committed, block, lo, hi, self.args.sliding_window))
+        return full, local
 
     def keys(self, positions, committed, block, lo, hi, window=None):
         """What this call's tokens attend to in the layers of one kind (window: a sliding layer's
