@@ -19,11 +19,19 @@ The template is the same every step: the 80-node tree the authors published (the
 tree template "2.2.2", k = 8, up to 6 deep), written below as rank paths, one line a depth. It is
 wide near the root (all 8 ranks after `last`), deep along the best ranks; the dynamic shape learns
 per depth and rank how often these guesses are right, and keeps only those worth their cost. A
-token the model has not ranked yet ends its path. The table is fed by every row a step reads:
-the trie's nodes, accepted or not, and, for tokens it does not know yet, the window's newest level
-(a guessed context, so it never replaces a ranking seen after a trie node: 2.15 tokens per step
-against 2.12 when it does, Spec-Bench's first turns, 1 a category, flat cost); the prefill fills
-it first, from the model's ranking after every prompt token (the LM head over the prompt, once).
+token the model has not ranked yet ends its path.
+
+Two tokens of context pick better than one, as in the n-gram pool: the table also keeps the
+ranking after every PAIR of tokens seen (next2[(z, a)], `a` right after `z`), and a node of the
+tree reads the one after its parent and itself where that pair was seen, else the one after
+itself alone (Spec-Bench's first turns, 1 a category, 64 tokens, flat cost: 2.20 tokens per
+step against 2.15 with one token; three tokens: 2.13; mixing the two rankings: 2.14-2.16).
+
+The table is fed by every row a step reads: the trie's nodes, accepted or not, and, for tokens it
+does not know yet, the window's newest level (a guessed context, so it never replaces a ranking
+seen after a trie node: 2.15 tokens per step against 2.12 when it does, one token of context);
+the prefill fills it first, from the model's ranking after every prompt token (the LM head over
+the prompt, once).
 """
 from lookahead import Candidate, DraftSource
 
@@ -45,24 +53,39 @@ class TokenRecycling(DraftSource):
         self.template = template  # rank paths, each after its prefix
         self.top_k = 1 + max(max(path) for path in template)  # how many of the model's best it reads
         self.next: dict[int, list[int]] = {}  # token -> the model's top_k after it, last time
+        self.next2: dict[tuple, list[int]] = {}  # (token, token after it) -> the same after the pair
+
+    def after(self, before, token) -> list[int]:
+        """The model's last ranking after `token` (seen right after `before` if it can be had)."""
+        ranked = self.next2.get((before, token))
+        return self.next.get(token, []) if ranked is None else ranked
 
     def propose(self, seq, k):
+        context = ((seq.prompt + seq.tokens)[-2], seq.tokens[-1])  # the token before `last`, and `last`
         chains = {}  # rank path -> its tokens, or None where a token along it is unranked
         paths = [path for path in self.template if len(path) <= k]
         for path in paths:  # a path comes after its prefix
             parent = chains.get(path[:-1], ()) if len(path) > 1 else ()
-            after = self.next.get(parent[-1] if parent else seq.tokens[-1], [])
-            chains[path] = parent + (after[path[-1]],) if parent is not None and path[-1] < len(after) else None
+            if parent is None:
+                chains[path] = None
+                continue
+            ranked = self.after(*(context + parent)[-2:])
+            chains[path] = parent + (ranked[path[-1]],) if path[-1] < len(ranked) else None
         leaves = [p for p in paths if chains[p] and not chains.get(p + (0,))]  # a child's elder siblings are in
         return [Candidate(chains[p], "recycling") for p in sorted(leaves)]  # rank 0 first below every node
 
     def observe_prefill(self, seq, top):
-        for token, best in zip(seq.prompt, top):
+        for i, (token, best) in enumerate(zip(seq.prompt, top)):
             self.next[token] = best
+            if i:
+                self.next2[seq.prompt[i - 1], token] = best
 
     def observe(self, seq, step):
-        n = len(step.tree)
-        for token, best in zip(step.read[:n], step.top):  # every guess, accepted or rejected
+        tree, n = step.tree, len(step.tree)
+        text = seq.prompt + seq.tokens  # `last` is the token before what this step committed
+        before_last = text[-len(step.committed) - 2]
+        for v, (token, best) in enumerate(zip(step.read[:n], step.top)):  # every guess, accepted or rejected
             self.next[token] = best
+            self.next2[before_last if v == 0 else tree.tokens[tree.parent[v]], token] = best
         for token, best in zip(step.read[n:], step.top[n:]):  # the window's: where nothing else is known
             self.next.setdefault(token, best)

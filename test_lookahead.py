@@ -242,6 +242,22 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
     assert tr.next == {5: [8, 9], 6: [5, 9], 7: [3, 4], 1: [2, 1], 2: [6, 6]}
 
 
+def test_recycling_reads_the_ranking_after_the_last_two_tokens_where_it_has_one():
+    seq = type("Seq", (), dict(prompt=[1, 2, 3, 9, 2, 1], tokens=[2]))()  # text ... 1 2: `last` 2 after 1
+    tr = TokenRecycling(seq, template=[(0,), (0, 0)])
+    tr.observe_prefill(seq, [[2, 0], [3, 0], [9, 0], [2, 0], [4, 0], [2, 0]])
+    assert tr.next[2] == [4, 0] and tr.next2[1, 2] == [3, 0]  # after 2 last time: 4; after "1 2": 3
+    # After "1 2" the pair's ranking (3), then after "2 3" none was seen: 3's own (9). One token of
+    # context alone would offer 4 (and nothing after it).
+    assert [c.tokens for c in tr.propose(seq, 2)] == [(3, 9)]
+    # A step's trie rows update the pair ending in each node: (the token before `last`, `last`),
+    # then (parent, node). Here it committed 3 (its guess) and 9.
+    tree = Tree(2, [Candidate((3, 8), "recycling")])
+    seq.tokens += [3, 9]
+    tr.observe(seq, Verified(tree, 0, [2, 3, 8], [3, 9, 0], [[5, 6], [7, 7], [8, 8]], [1], [3, 9], [0, 1]))
+    assert (tr.next2[1, 2], tr.next2[2, 3], tr.next2[3, 8]) == ([5, 6], [7, 7], [8, 8])
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 24), N=st.integers(2, 6), max_new=st.integers(1, 40),
        family=st.sampled_from(list(FAMILY_OPTIONS)), data=st.data())
