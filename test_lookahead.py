@@ -974,6 +974,8 @@ def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
         assert all(a[n]["identical"] for n in ("dynamic", "2,3,2:pool,recycling,jacobi", "transformers greedy",
                                                   "transformers PLD")), a
     assert "overall" in table and "transformers PLD" in table and "NO" not in table
+    curve = table[table.index("step cost on this machine"):].splitlines()[0]  # timed directly, 1 to 16 tokens
+    assert "1 tokens 1.00x" in curve and "16 tokens" in curve
 
 
 def test_bench_reports_a_wrong_decoder(tiny_checkpoint, tmp_path, capsys, monkeypatch):
