@@ -61,7 +61,7 @@ class TokenRecycling(DraftSource):
         return self.next.get(token, []) if ranked is None else ranked
 
     def propose(self, seq, k):
-        context = ((seq.prompt + seq.tokens)[-2], seq.tokens[-1])  # the token before `last`, and `last`
+        context = ((seq.prompt[-1:] + seq.tokens)[-2], seq.tokens[-1])  # the token before `last`, and `last`
         chains = {}  # rank path -> its tokens, or None where a token along it is unranked
         paths = [path for path in self.template if len(path) <= k]
         for path in paths:  # a path comes after its prefix
@@ -82,7 +82,7 @@ class TokenRecycling(DraftSource):
 
     def observe(self, seq, step):
         tree, n = step.tree, len(step.tree)
-        text = seq.prompt + seq.tokens  # `last` is the token before what this step committed
+        text = seq.prompt[-1:] + seq.tokens  # `last` is the token before what this step committed
         before_last = text[-len(step.committed) - 2]
         for v, (token, best) in enumerate(zip(step.read[:n], step.top)):  # every guess, accepted or rejected
             self.next[token] = best

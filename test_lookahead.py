@@ -238,6 +238,7 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
     # A step reads the trie's rows (last 5, guesses 7 and 1) and the window's newest level (6, 2):
     # the trie's rank anew, accepted or not; the window's only tokens the table does not know.
     tree = Tree(5, [Candidate((7, 1), "recycling")])
+    seq.tokens += [9]  # what the step committed
     tr.observe(seq, Verified(tree, 2, [5, 7, 1, 6, 2], [9] * 5, [[8, 9], [3, 4], [2, 1], [0, 3], [6, 6]], [], [9], [0]))
     assert tr.next == {5: [8, 9], 6: [5, 9], 7: [3, 4], 1: [2, 1], 2: [6, 6]}
 
