@@ -61,7 +61,8 @@ class TokenRecycling(DraftSource):
         return self.next.get(token, []) if ranked is None else ranked
 
     def propose(self, seq, k):
-        context = ((seq.prompt[-1:] + seq.tokens)[-2], seq.tokens[-1])  # the token before `last`, and `last`
+        before = seq.tokens[-2] if len(seq.tokens) > 1 else seq.prompt[-1]  # as the pool's propose
+        context = (before, seq.tokens[-1])  # the pair ending in `last`
         chains = {}  # rank path -> its tokens, or None where a token along it is unranked
         paths = [path for path in self.template if len(path) <= k]
         for path in paths:  # a path comes after its prefix
