@@ -51,17 +51,23 @@ class DraftSource:
     """Where guesses come from. `drafts(seq)` makes each row's sources when a request starts;
     before every step propose(seq, k) returns candidate continuations of seq.tokens[-1], best
     first, each of at most k guesses (what is left before max_new_tokens; the source knows how
-    far its guesses are worth making); after it observe(seq, step) sees the Verified step (with
-    the model's top_k best tokens after every row read, if top_k > 0). Any source is exact:
-    verification accepts only the guesses greedy decoding would produce."""
+    far its guesses are worth making), and no step holds more than seq.room guesses in all (the
+    policy's; a source that pays for each guess it makes stops there); after it observe(seq, step)
+    sees the Verified step (with the model's top_k best tokens after every row read, if top_k > 0).
+    Any source is exact: verification accepts only the guesses greedy decoding would produce."""
 
     top_k = 0
 
     def propose(self, seq: "Sequence", k: int) -> list[Candidate]:
         return []
 
+    def wants_prefill(self, room: int) -> bool:
+        """With top_k > 0: whether observe_prefill is worth its price before steps of `room`
+        guesses (the LM head over every prompt token: 20% of SmolLM2's prefill, 60% of Gemma 3's)."""
+        return False
+
     def observe_prefill(self, seq: "Sequence", top: list[list[int]]):
-        """With top_k > 0: the model's top_k best tokens after every prompt token, once."""
+        """The model's top_k best tokens after every prompt token, once, if wants_prefill."""
 
     def observe(self, seq: "Sequence", step: "Verified"):
         pass
@@ -346,6 +352,7 @@ class Sequence:
         for i in range(len(self.prompt) - N + 1):
             self.pool.add(self.prompt[i:i + N], self.prompt[i - 1] if i else None)
         self.sources = drafts(self) if drafts else [self.pool, JacobiGuess()]  # the paper's two sources
+        self.room = 0  # the most guesses the next step may hold (the policy's room, set before it proposes)
 
     @property
     def done(self) -> bool:
@@ -461,6 +468,7 @@ def lookahead_step(model, policy, batch: list[Sequence], on_step=None):
     budget = min(policy.largest, *(step_room(model, row.C) for row in batch))
     for j, row in enumerate(batch):
         switch_rope(model, j, row.C, row.prompt + row.tokens)
+        row.room = min(budget, policy.room(len(batch))) - 1  # guesses: all of the step but `last`
     # 1. Every row proposes its candidates (Sequence.propose), merged into a trie.
     trees = [Tree(row.tokens[-1], row.propose()) for row in batch]
     # 2. The policy shapes the step: which guesses and how many window columns each row runs,
@@ -484,15 +492,16 @@ def lookahead_step(model, policy, batch: list[Sequence], on_step=None):
     policy.observe(batch, steps, T, time.perf_counter() - start)
 
 
-def start_rows(model, rows: list[Sequence], sampling: Sampling, start: float, on_tokens=None):
-    """Prefill every row's prompt and commit its first token; the draft sources that read the
-    model's top-k see it after every prompt token."""
-    k = max(s.top_k for row in rows for s in row.sources)
+def start_rows(model, rows: list[Sequence], sampling: Sampling, room: int, start: float, on_tokens=None):
+    """Prefill every row's prompt and commit its first token; the draft sources that want the
+    model's top-k after every prompt token before steps of `room` guesses see it."""
+    k = max((s.top_k for row in rows for s in row.sources if s.top_k and s.wants_prefill(room)), default=0)
     logits, tops = prefill(model, [row.prompt for row in rows], k) if k else (prefill(model, [row.prompt for row in rows]), None)
     first = sampling.pick(logits, [row.gen for row in rows])[:, 0].tolist()
     for b, row in enumerate(rows):
         for source in row.sources if k else ():
-            source.observe_prefill(row, tops[b])
+            if source.top_k and source.wants_prefill(room):
+                source.observe_prefill(row, tops[b])
         row.out.prefill_seconds = time.perf_counter() - start
         kept = row.commit(first[b:b + 1])
         on_tokens and on_tokens(b, kept)
@@ -538,7 +547,7 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram
     rows = [Sequence(p, m, policy.N, policy.pool_cap, sampling, seed + b, set(stop_ids), model.device, output_ngrams,
                      drafts) for b, (p, m) in enumerate(zip(prompts, limits))]
 
-    start_rows(model, rows, sampling, start, on_tokens)
+    start_rows(model, rows, sampling, policy.room(len(rows)) - 1, start, on_tokens)
     active = list(range(len(rows)))  # the rows still decoding, in the cache's row order
     while True:  # finished rows leave the batch (and the cache)
         keep = drop_finished(model, active, lambda b: rows[b].done, [row.out for row in rows],

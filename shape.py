@@ -1,7 +1,9 @@
 """What each step runs: the policy behind lookahead decoding, apart from the algorithm.
 
-A policy has two calls: plan(rows, trees, budget) -> for every row the trie of guesses to verify,
-the window columns to run and the step's Shape; observe(rows, steps, T, seconds) after the step.
+A policy has three calls: room(B) -> the most tokens the next step of B rows may hold (what draft
+sources need propose: at most room - 1 guesses); plan(rows, trees, budget) -> for every row the
+trie of guesses to verify, the window columns to run and the step's Shape; observe(rows, steps,
+T, seconds) after the step.
 FixedShape is the paper's (W, N, G every step). DynamicShape chooses per step: lookahead decoding
 verifies any guesses exactly, and what it should guess depends on what a step costs on this
 device and on how often guesses like these were right. choose_shape maximises the expected
@@ -59,6 +61,9 @@ class FixedShape:
         self.pool_cap = max(G, POOL_MIN_PER_KEY) if G else 0
         self.largest = step_size(1 + (W + G) * (N - 1))  # last, the window and every candidate's guesses
 
+    def room(self, B: int) -> int:
+        return self.largest
+
     def plan(self, rows, trees, budget: int) -> list[tuple]:
         return [self.plan_row(row, tree, budget) for row, tree in zip(rows, trees)]
 
@@ -91,6 +96,9 @@ class DynamicShape:
             return self.fixed_costs
         return STEP_COSTS.setdefault(self.model, {}).setdefault(B, StepCosts())
 
+    def room(self, B: int) -> int:
+        return min(self.largest, self.costs(B).room())
+
     def plan(self, rows, trees, budget: int) -> list[tuple]:
         return choose_shape([(tree, self.acceptance.setdefault(row, Acceptance()), len(row.window) or 1, MAX_WINDOW)
                              for row, tree in zip(rows, trees)], self.costs(len(rows)), budget)
@@ -110,20 +118,30 @@ class StepCosts:
     measured sizes for each doubling (optimistic where the growth was flat, so it gets tried),
     and only one size above the largest one measured twice is ever considered: the decoder climbs
     the menu one rung at a time and stops where a wider step no longer pays. On a CPU it stops
-    after a rung or two; where steps are free (a GPU at small sizes) it goes wide.
+    after a rung or two; where steps are free (a GPU at small sizes) it goes wide. So a step needs
+    at most twice the largest of the last 8 steps (room): draft sources need not make more.
     `table` fixes the estimates instead (a cost model for tests and experiments: sizes not in
     it are never chosen)."""
 
     def __init__(self, table: dict[int, float] | None = None):
         self.table = table
         self.samples: dict[int, deque] = {}
+        self.recent = deque(maxlen=8)  # the sizes of the last steps
 
     @classmethod
     def flat(cls, largest: int = STEP_SIZES[-1]) -> "StepCosts":
         """Every size up to `largest` costs the same: what the policy does where steps are free."""
         return cls({1 << i: 1.0 for i in range(largest.bit_length())})
 
+    def room(self) -> int:
+        """The largest step worth guessing for next: twice the largest recent one, one rung up
+        (2 before any step), or the table's largest."""
+        if self.table is not None:
+            return max(self.table)
+        return 2 * max(self.recent, default=1)
+
     def record(self, size: int, seconds: float):
+        self.recent.append(size)
         if self.table is None:
             self.samples.setdefault(size, deque(maxlen=8)).append(seconds)
 

@@ -227,7 +227,7 @@ def test_recycling_template_is_the_published_tree():
 
 
 def test_recycling_offers_the_tree_of_the_models_last_top_k():
-    seq = type("Seq", (), dict(prompt=[5, 6, 5, 7], tokens=[5]))()
+    seq = type("Seq", (), dict(prompt=[5, 6, 5, 7], tokens=[5], room=80))()
     tr = TokenRecycling(seq, template=[(0,), (0, 0), (1,), (0, 0, 0), (0, 1), (1, 0)])
     assert tr.top_k == 2
     tr.observe_prefill(seq, [[6, 7], [5, 9], [7, 6], [8, 9]])  # the model's top 2 after each prompt token
@@ -235,6 +235,9 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
     # The template's paths followed through the table (8: unranked, so (0,0,0) ends at 8)...
     assert [c.tokens for c in tr.propose(seq, 3)] == [(7, 8), (7, 9), (6, 5)]
     assert [c.tokens for c in tr.propose(seq, 1)] == [(7,), (6,)]  # ...never past k
+    seq.room = 3  # ...nor past the step's room: its likeliest guesses (fewest depths and ranks)
+    assert [c.tokens for c in tr.propose(seq, 3)] == [(7, 8), (6,)]
+    seq.room = 80
     # A step reads the trie's rows (last 5, guesses 7 and 1) and the window's newest level (6, 2):
     # the trie's rank anew, accepted or not; the window's only tokens the table does not know.
     tree = Tree(5, [Candidate((7, 1), "recycling")])
@@ -244,7 +247,7 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
 
 
 def test_recycling_reads_the_ranking_after_the_last_two_tokens_where_it_has_one():
-    seq = type("Seq", (), dict(prompt=[1, 2, 3, 9, 2, 1], tokens=[2]))()  # text ... 1 2: `last` 2 after 1
+    seq = type("Seq", (), dict(prompt=[1, 2, 3, 9, 2, 1], tokens=[2], room=80))()  # text ... 1 2: `last` 2 after 1
     tr = TokenRecycling(seq, template=[(0,), (0, 0)])
     tr.observe_prefill(seq, [[2, 0], [3, 0], [9, 0], [2, 0], [4, 0], [2, 0]])
     assert tr.next[2] == [4, 0] and tr.next2[1, 2] == [3, 0]  # after 2 last time: 4; after "1 2": 3
@@ -271,6 +274,24 @@ def test_token_recycling_is_exact_in_both_shapes(seed, vocab, N, max_new, family
     got = lookahead_decode(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
     assert got.tokens == greedy_decode(model, prompt, max_new).tokens
 
+
+
+def test_recycling_reads_the_prompts_rankings_only_where_its_whole_tree_can_run():
+    # The model's top-k after every prompt token costs the LM head over the prompt; it feeds the
+    # tree's deep and wide guesses, so it is computed only where a step may hold the whole tree.
+    model, prompt = random_model(seed=3, vocab_size=16), [1, 2, 3, 4, 5]
+    seen = []
+
+    class Watched(TokenRecycling):
+        def observe_prefill(self, seq, top):
+            seen.append(len(top))
+            super().observe_prefill(seq, top)
+
+    small = StepCosts({1: 1.0, 2: 1.0, 4: 1.0})  # steps of 4 tokens at most: 3 guesses
+    for costs in (small, StepCosts.flat()):
+        got = lookahead_decode(model, prompt, 12, costs=costs, drafts=lambda seq: [Watched(seq)])
+        assert got.tokens == greedy_decode(model, prompt, 12).tokens
+    assert seen == [len(prompt)]  # flat costs only, one ranking per prompt token
 
 
 class Oracle(DraftSource):
@@ -433,6 +454,19 @@ def test_step_costs_climb_one_size_at_a_time_and_extrapolate_the_growth():
     fixed.record(4, 100.0)
     assert fixed.estimate(4) == 2.0 and fixed.estimate(2) is None
     assert StepCosts.flat(8).table == {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
+
+
+def test_step_costs_room_is_one_rung_above_the_recent_steps():
+    # Draft sources need guess no further than the policy can climb: twice the largest of the
+    # last 8 steps (2 before any), a fixed table's largest size.
+    costs = StepCosts()
+    assert costs.room() == 2
+    for size in (4, 16, 2, 2, 2, 2, 2, 2, 2):
+        costs.record(size, 0.1)
+    assert costs.room() == 32  # 16 is still among the last 8
+    costs.record(2, 0.1)
+    assert costs.room() == 4
+    assert StepCosts.flat(64).room() == 64
 
 
 def test_the_dynamic_step_verifies_the_likeliest_guesses():
