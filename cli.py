@@ -79,7 +79,8 @@ def parse_args(argv):
                     help="G (the paper's guess set size): candidates verified per step (default: the dynamic "
                          "shape, chosen per step)")
     ap.add_argument("--drafts", default="pool,jacobi",
-                    help=f"the draft sources, in order, from {', '.join(DRAFTS)} (default pool,jacobi)")
+                    help=f"the draft sources, in order, from {', '.join(DRAFTS)} (default pool,jacobi; recycling "
+                         "runs where a step can hold its 80-guess tree: a fixed shape that large, or steps that cheap)")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
     ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

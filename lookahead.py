@@ -61,16 +61,23 @@ class DraftSource:
     def propose(self, seq: "Sequence", k: int) -> list[Candidate]:
         return []
 
-    def wants_prefill(self, room: int) -> bool:
-        """With top_k > 0: whether observe_prefill is worth its price before steps of `room`
-        guesses (the LM head over every prompt token: 20% of SmolLM2's prefill, 60% of Gemma 3's)."""
-        return False
+    def wants_rankings(self, room: int) -> bool:
+        """With top_k > 0: whether the model's top_k after every row is worth reading before steps
+        of `room` guesses: after every row a step reads (Verified.top, else None) and, as the
+        request starts, after every prompt token (observe_prefill; that is the LM head over the
+        whole prompt, 20% of SmolLM2's prefill, 60% of Gemma 3's)."""
+        return True
 
     def observe_prefill(self, seq: "Sequence", top: list[list[int]]):
-        """The model's top_k best tokens after every prompt token, once, if wants_prefill."""
+        """The model's top_k best tokens after every prompt token, once, if it wants_rankings."""
 
     def observe(self, seq: "Sequence", step: "Verified"):
         pass
+
+
+def token_back(seq, n: int) -> int:
+    """The n-th token from the end of prompt + tokens (n >= 1), without joining the two."""
+    return seq.tokens[-n] if n <= len(seq.tokens) else seq.prompt[len(seq.tokens) - n]
 
 
 class NGramPool(DraftSource):
@@ -106,9 +113,8 @@ class NGramPool(DraftSource):
     def propose(self, seq, k):
         """The pooled n-grams that start with `last`: "pool2" those that also matched the token
         before it (two tokens of context), "pool1" the others."""
-        before = seq.tokens[-2] if len(seq.tokens) > 1 else seq.prompt[-1]
         return [Candidate(rest[:k], "pool2" if after else "pool1", win)
-                for rest, after, win in self.ranked(seq.tokens[-1], before)]
+                for rest, after, win in self.ranked(seq.tokens[-1], token_back(seq, 2))]
 
 
 class JacobiGuess(DraftSource):
@@ -478,7 +484,7 @@ def lookahead_step(model, policy, batch: list[Sequence], on_step=None):
     # 3. One forward over every row's [tree | window | padding] under the combined mask.
     parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(batch, plans)]
     logits = model.step(*pack_inputs(model, batch, parts, T))  # (B, R, V)
-    k = max(s.top_k for row in batch for s in row.sources)  # what the draft sources want to see
+    k = max((s.top_k for row in batch for s in row.sources if s.top_k and s.wants_rankings(row.room)), default=0)
     if k:  # the argmax and the top-k, in one host sync
         best = torch.cat((logits.argmax(-1, keepdim=True), logits.topk(k, dim=-1).indices), dim=-1).tolist()
         pred, top = [[r[0] for r in rows] for rows in best], [[r[1:] for r in rows] for rows in best]
@@ -495,12 +501,12 @@ def lookahead_step(model, policy, batch: list[Sequence], on_step=None):
 def start_rows(model, rows: list[Sequence], sampling: Sampling, room: int, start: float, on_tokens=None):
     """Prefill every row's prompt and commit its first token; the draft sources that want the
     model's top-k after every prompt token before steps of `room` guesses see it."""
-    k = max((s.top_k for row in rows for s in row.sources if s.top_k and s.wants_prefill(room)), default=0)
+    k = max((s.top_k for row in rows for s in row.sources if s.top_k and s.wants_rankings(room)), default=0)
     logits, tops = prefill(model, [row.prompt for row in rows], k) if k else (prefill(model, [row.prompt for row in rows]), None)
     first = sampling.pick(logits, [row.gen for row in rows])[:, 0].tolist()
     for b, row in enumerate(rows):
         for source in row.sources if k else ():
-            if source.top_k and source.wants_prefill(room):
+            if source.top_k and source.wants_rankings(room):
                 source.observe_prefill(row, tops[b])
         row.out.prefill_seconds = time.perf_counter() - start
         kept = row.commit(first[b:b + 1])

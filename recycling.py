@@ -33,14 +33,16 @@ seen after a trie node: 2.15 tokens per step against 2.12 when it does, one toke
 the prefill fills it first, from the model's ranking after every prompt token (the LM head over
 the prompt, once).
 
-What it costs decides how much of it runs. Where a step may hold only a few guesses (the policy's
-room: on a CPU, where 4 tokens cost 1.6-2x one, steps of 1-4 tokens), it walks only the room's
-likeliest paths, and skips the prefill's rankings: they feed the tree's deep and wide nodes, and
-cost the LM head over every prompt token, 20% of SmolLM2's prefill (Spec-Bench's first turns,
-flat cost, whole tree: 2.20 tokens per step with them, 2.04 without; at this CPU's step costs
-the same tokens per second either way). Where a step holds the whole tree, it all runs.
+It runs where a step can hold its whole tree (the policy's room, from the measured step costs:
+on a GPU where wide steps cost what one token does, or at flat cost), and idles below that: no
+candidates, no rankings read. Where steps hold a few guesses (this CPU: 4 tokens cost 1.5-2x one,
+steps of 1-4 tokens), the pool's and the Jacobi guess's best few are as good (Spec-Bench, 42
+answers, 64 tokens, median of 3 runs: 1.34 tokens per step with it and without), and reading
+the rankings is not free: the top-k of every row read and the walk, ~1% of a step here, and the
+prefill's, the LM head over every prompt token, 20% of SmolLM2's prefill (2.20 tokens per step
+with them at flat cost, 2.04 without).
 """
-from lookahead import Candidate, DraftSource
+from lookahead import Candidate, DraftSource, token_back
 
 # Token Recycling's published 80-node template (Luo et al. 2024): each word a path of ranks from
 # `last`, "01" = the best token's second best; a line a depth, a path after its prefix.
@@ -58,11 +60,6 @@ class TokenRecycling(DraftSource):
 
     def __init__(self, seq=None, template=TEMPLATE):
         self.template = template  # rank paths, each after its prefix
-        # The order to walk them in when a step holds only some: a guess one deeper, or one rank
-        # further from its elder sibling, is about half as often right (measured, Spec-Bench: the
-        # best token after `last` 45%, the second 12%; each further best token 42%), so by depth
-        # plus ranks. A prefix scores less than its paths, so it still comes first.
-        self.walk = sorted(template, key=lambda path: len(path) + sum(path))
         self.top_k = 1 + max(max(path) for path in template)  # how many of the model's best it reads
         self.next: dict[int, list[int]] = {}  # token -> the model's top_k after it, last time
         self.next2: dict[tuple, list[int]] = {}  # (token, token after it) -> the same after the pair
@@ -72,14 +69,15 @@ class TokenRecycling(DraftSource):
         ranked = self.next2.get((before, token))
         return self.next.get(token, []) if ranked is None else ranked
 
-    def wants_prefill(self, room):
-        return room >= len(self.template)  # the whole tree runs: see the module docstring
+    def wants_rankings(self, room):
+        return room >= len(self.template)  # where its whole tree can run: see the module docstring
 
     def propose(self, seq, k):
-        before = seq.tokens[-2] if len(seq.tokens) > 1 else seq.prompt[-1]  # as the pool's propose
-        context = (before, seq.tokens[-1])  # the pair ending in `last`
+        if not self.wants_rankings(seq.room):
+            return []  # it reads no rankings now, so it has none fresh to offer
+        context = (token_back(seq, 2), seq.tokens[-1])  # the pair ending in `last`
         chains = {}  # rank path -> its tokens, or None where a token along it is unranked
-        paths = [path for path in self.walk if len(path) <= k][:seq.room]  # the step holds no more
+        paths = [path for path in self.template if len(path) <= k]
         for path in paths:  # a path comes after its prefix
             parent = chains.get(path[:-1], ()) if len(path) > 1 else ()
             if parent is None:
@@ -97,9 +95,10 @@ class TokenRecycling(DraftSource):
                 self.next2[seq.prompt[i - 1], token] = best
 
     def observe(self, seq, step):
+        if not self.wants_rankings(seq.room):
+            return
         tree, n = step.tree, len(step.tree)
-        text = seq.prompt[-1:] + seq.tokens  # `last` is the token before what this step committed
-        before_last = text[-len(step.committed) - 2]
+        before_last = token_back(seq, len(step.committed) + 2)  # `last` came before what the step committed
         for v, (token, best) in enumerate(zip(step.read[:n], step.top)):  # every guess, accepted or rejected
             self.next[token] = best
             self.next2[before_last if v == 0 else tree.tokens[tree.parent[v]], token] = best

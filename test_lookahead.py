@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import FAMILY_OPTIONS, assert_matches_reference, random_model, write_tokenizer
+from conftest import FAMILY_OPTIONS, assert_matches_reference, random_model, write_checkpoint, write_tokenizer
 from model import Transformer
 from tokenizer import Tokenizer
 from cli import main
@@ -235,8 +235,8 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
     # The template's paths followed through the table (8: unranked, so (0,0,0) ends at 8)...
     assert [c.tokens for c in tr.propose(seq, 3)] == [(7, 8), (7, 9), (6, 5)]
     assert [c.tokens for c in tr.propose(seq, 1)] == [(7,), (6,)]  # ...never past k
-    seq.room = 3  # ...nor past the step's room: its likeliest guesses (fewest depths and ranks)
-    assert [c.tokens for c in tr.propose(seq, 3)] == [(7, 8), (6,)]
+    seq.room = 5  # where a step cannot hold the whole tree, it idles
+    assert tr.propose(seq, 3) == []
     seq.room = 80
     # A step reads the trie's rows (last 5, guesses 7 and 1) and the window's newest level (6, 2):
     # the trie's rank anew, accepted or not; the window's only tokens the table does not know.
@@ -276,22 +276,29 @@ def test_token_recycling_is_exact_in_both_shapes(seed, vocab, N, max_new, family
 
 
 
-def test_recycling_reads_the_prompts_rankings_only_where_its_whole_tree_can_run():
-    # The model's top-k after every prompt token costs the LM head over the prompt; it feeds the
-    # tree's deep and wide guesses, so it is computed only where a step may hold the whole tree.
-    model, prompt = random_model(seed=3, vocab_size=16), [1, 2, 3, 4, 5]
-    seen = []
+def test_recycling_runs_only_where_a_step_can_hold_its_whole_tree():
+    # Reading the model's rankings costs the top-k of every row read and, once, the LM head over
+    # the whole prompt; where steps hold a few guesses the other sources' are as good, so token
+    # recycling idles there: no rankings read, no candidates.
+    model, prompt = random_model(seed=3, vocab_size=16), [1, 2, 3, 4, 5, 1, 2, 3]
+    prefilled, rankings, sources = [], [], set()
 
     class Watched(TokenRecycling):
         def observe_prefill(self, seq, top):
-            seen.append(len(top))
+            prefilled.append(len(top))
             super().observe_prefill(seq, top)
 
-    small = StepCosts({1: 1.0, 2: 1.0, 4: 1.0})  # steps of 4 tokens at most: 3 guesses
-    for costs in (small, StepCosts.flat()):
-        got = lookahead_decode(model, prompt, 12, costs=costs, drafts=lambda seq: [Watched(seq)])
+        def observe(self, seq, step):
+            rankings.append(step.top is not None)
+            super().observe(seq, step)
+
+    for costs in (StepCosts({1: 1.0, 2: 1.0, 4: 1.0}), StepCosts.flat()):  # steps of 4 tokens at most; free
+        got = lookahead_decode(model, prompt, 12, costs=costs, drafts=lambda seq: [seq.pool, Watched(seq)],
+                               on_step=lambda s: sources.update(s["sources"]))
         assert got.tokens == greedy_decode(model, prompt, 12).tokens
-    assert seen == [len(prompt)]  # flat costs only, one ranking per prompt token
+        if costs.table == {1: 1.0, 2: 1.0, 4: 1.0}:
+            assert (prefilled, any(rankings), "recycling" in sources) == ([], False, False)
+    assert prefilled == [len(prompt)] and all(rankings[-got.steps:]) and "recycling" in sources
 
 
 class Oracle(DraftSource):
@@ -849,10 +856,12 @@ def test_cli_show_is_plain_off_a_terminal_and_trace_shows_the_step(tiny_checkpoi
     assert "expected to commit" in err and "jacobi guess:" in err
 
 
-def test_cli_drafts_chooses_the_sources(tiny_checkpoint, capsys):
-    code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8 w9",
+def test_cli_drafts_chooses_the_sources(tmp_path, capsys):
+    # Steps of 128 tokens (24 candidates) hold recycling's 80-guess tree: a context that fits them.
+    folder = write_tokenizer(write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=256)))
+    code, out, err = run_cli(capsys, "--model", str(folder), "--prompt", "w7 w8 w9 w7 w8 w9",
                              "--max-new-tokens", "16", "--drafts", "recycling,jacobi", "--trace", "10", "--window", "0",
-                             "--candidates", "3", "--compare")
+                             "--candidates", "24", "--compare")
     assert code == 0, err
     assert "(recycling)" in err and "(pool1)" not in err and "(pool2)" not in err and "identical to greedy: yes" in err
 
@@ -995,7 +1004,6 @@ def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
     """Spec-Bench's 13 categories, a second MT-Bench turn after the first answer, every answer
     checked against our greedy, transformers' greedy and prompt lookup beside ours."""
     import bench
-    from conftest import write_checkpoint
     folder = write_tokenizer(write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=4096)))
     out = tmp_path / "spec.json"
     code = bench.main(["--model", str(folder), "--dataset", "spec-bench", "--per-category", "1", "--max-new-tokens", "6",
