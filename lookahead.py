@@ -51,8 +51,9 @@ class DraftSource:
     """Where guesses come from. `drafts(seq)` makes each row's sources when a request starts;
     before every step propose(seq, k) returns candidate continuations of seq.tokens[-1], best
     first, each of at most k guesses (what is left before max_new_tokens; the source knows how
-    far its guesses are worth making), and no step holds more than seq.room guesses in all (the
-    policy's; a source that pays for each guess it makes stops there); after it observe(seq, step)
+    far its guesses are worth making; seq.room is the most guesses the policy expects a step to
+    hold soon, twice the largest recent step, for a source whose guesses cost it to make); after
+    it observe(seq, step)
     sees the Verified step (with the model's top_k best tokens after every row read, if top_k > 0).
     Any source is exact: verification accepts only the guesses greedy decoding would produce."""
 
@@ -472,9 +473,10 @@ def lookahead_step(model, policy, batch: list[Sequence], on_step=None):
     """One forward for every row: propose, plan, inputs, forward, verify, advance, roll back."""
     start = time.perf_counter()
     budget = min(policy.largest, *(step_room(model, row.C) for row in batch))
+    room = min(budget, policy.room(len(batch))) - 1  # guesses: all of the step but `last`
     for j, row in enumerate(batch):
         switch_rope(model, j, row.C, row.prompt + row.tokens)
-        row.room = min(budget, policy.room(len(batch))) - 1  # guesses: all of the step but `last`
+        row.room = room
     # 1. Every row proposes its candidates (Sequence.propose), merged into a trie.
     trees = [Tree(row.tokens[-1], row.propose()) for row in batch]
     # 2. The policy shapes the step: which guesses and how many window columns each row runs,
@@ -501,13 +503,13 @@ def lookahead_step(model, policy, batch: list[Sequence], on_step=None):
 def start_rows(model, rows: list[Sequence], sampling: Sampling, room: int, start: float, on_tokens=None):
     """Prefill every row's prompt and commit its first token; the draft sources that want the
     model's top-k after every prompt token before steps of `room` guesses see it."""
-    k = max((s.top_k for row in rows for s in row.sources if s.top_k and s.wants_rankings(room)), default=0)
+    readers = [[s for s in row.sources if s.top_k and s.wants_rankings(room)] for row in rows]
+    k = max((s.top_k for sources in readers for s in sources), default=0)
     logits, tops = prefill(model, [row.prompt for row in rows], k) if k else (prefill(model, [row.prompt for row in rows]), None)
     first = sampling.pick(logits, [row.gen for row in rows])[:, 0].tolist()
     for b, row in enumerate(rows):
-        for source in row.sources if k else ():
-            if source.top_k and source.wants_rankings(room):
-                source.observe_prefill(row, tops[b])
+        for source in readers[b]:
+            source.observe_prefill(row, tops[b])
         row.out.prefill_seconds = time.perf_counter() - start
         kept = row.commit(first[b:b + 1])
         on_tokens and on_tokens(b, kept)

@@ -1,7 +1,7 @@
 """What each step runs: the policy behind lookahead decoding, apart from the algorithm.
 
-A policy has three calls: room(B) -> the most tokens the next step of B rows may hold (what draft
-sources need propose: at most room - 1 guesses); plan(rows, trees, budget) -> for every row the
+A policy has three calls: room(B) -> the most tokens it expects a step of B rows to hold soon
+(what draft sources need guess for: room - 1 guesses); plan(rows, trees, budget) -> for every row the
 trie of guesses to verify, the window columns to run and the step's Shape; observe(rows, steps,
 T, seconds) after the step.
 FixedShape is the paper's (W, N, G every step). DynamicShape chooses per step: lookahead decoding
@@ -118,8 +118,9 @@ class StepCosts:
     measured sizes for each doubling (optimistic where the growth was flat, so it gets tried),
     and only one size above the largest one measured twice is ever considered: the decoder climbs
     the menu one rung at a time and stops where a wider step no longer pays. On a CPU it stops
-    after a rung or two; where steps are free (a GPU at small sizes) it goes wide. So a step needs
-    at most twice the largest of the last 8 steps (room): draft sources need not make more.
+    after a rung or two; where steps are free (a GPU at small sizes) it goes wide. So the next
+    steps will hold about twice the largest of the last 8 at most (room): what sources whose
+    guesses cost to make need guess for.
     `table` fixes the estimates instead (a cost model for tests and experiments: sizes not in
     it are never chosen)."""
 
