@@ -292,12 +292,15 @@ def test_recycling_runs_only_where_a_step_can_hold_its_whole_tree():
             rankings.append(step.top is not None)
             super().observe(seq, step)
 
-    for costs in (StepCosts({1: 1.0, 2: 1.0, 4: 1.0}), StepCosts.flat()):  # steps of 4 tokens at most; free
+    def run(costs):
         got = lookahead_decode(model, prompt, 12, costs=costs, drafts=lambda seq: [seq.pool, Watched(seq)],
                                on_step=lambda s: sources.update(s["sources"]))
         assert got.tokens == greedy_decode(model, prompt, 12).tokens
-        if costs.table == {1: 1.0, 2: 1.0, 4: 1.0}:
-            assert (prefilled, any(rankings), "recycling" in sources) == ([], False, False)
+        return got
+
+    run(StepCosts({1: 1.0, 2: 1.0, 4: 1.0}))  # steps of 4 tokens at most: it idles
+    assert (prefilled, any(rankings), "recycling" in sources) == ([], False, False)
+    got = run(StepCosts.flat())  # steps free: the whole tree, every step
     assert prefilled == [len(prompt)] and all(rankings[-got.steps:]) and "recycling" in sources
 
 
@@ -464,8 +467,8 @@ def test_step_costs_climb_one_size_at_a_time_and_extrapolate_the_growth():
 
 
 def test_step_costs_room_is_one_rung_above_the_recent_steps():
-    # Draft sources need guess no further than the policy can climb: twice the largest of the
-    # last 8 steps (2 before any), a fixed table's largest size.
+    # What the policy expects steps to hold soon, as it climbs a size at a time: twice the
+    # largest of the last 8 steps (2 before any), a fixed table's largest size.
     costs = StepCosts()
     assert costs.room() == 2
     for size in (4, 16, 2, 2, 2, 2, 2, 2, 2):
