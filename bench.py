@@ -11,7 +11,8 @@
         --plot spec_bench.png                        # Spec-Bench by category, transformers' peers beside
 
 For every configuration (`dynamic`, or W,N,G): tokens/s, steps, tokens per step, the cost of a step against a greedy
-step, the speed-up over greedy (runs alternate greedy / lookahead per prompt, after a warm-up,
+step, the speed-up over greedy (runs alternate greedy / lookahead per prompt, the configs in an
+order rotating each repeat, after a warm-up,
 median over --repeats), and whether the tokens equal greedy's (they must: "yes"). Prints a
 table and the machine it ran on. With --batch B: each decoder one prompt at a time vs B prompts
 per batch (tokens/s over all prompts, and whether every row equals its one-by-one output).
@@ -226,7 +227,8 @@ def transformers_peers(path, device, dtype, n_new, stop):
 
 def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, device):
     """Spec-Bench, turn by turn (a second turn follows the model's own greedy first answer), every
-    decoder alternating with our greedy on each answer, median of --repeats; then per category
+    decoder alternating with our greedy on each answer (their order rotating each repeat), median
+    of --repeats; then per category
     and overall: tokens per step, speed-up over our greedy, identity with it on every answer."""
     questions = spec_bench_questions(args.per_category)
     peers = transformers_peers(path, device, model.dtype, args.max_new_tokens, tokenizer.stop_ids) if args.peers else {}
@@ -240,10 +242,10 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
             ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
             record = dict(question_id=q["question_id"], category=q["category"], turn=turn + 1, prompt_tokens=len(ids))
             seconds = {name: [] for name in names}
-            for _ in range(args.repeats):
+            for r in range(args.repeats):
                 ref = timed(lambda: greedy(ids), device)
                 seconds["greedy"].append(ref.seconds)
-                for name in names[1:]:
+                for name in rotated(names[1:], r):
                     if name in peers:
                         tokens, steps, secs = peers[name](ids)
                     else:
@@ -498,6 +500,13 @@ def bench_contexts(path, contexts, device, dtype, compile_sizes=(1, 8), committe
     return 0
 
 
+def rotated(decoders: list, r: int) -> list:
+    """The decoders after greedy in repeat r's order: each repeat starts one further along, so
+    none always runs right after greedy (on this VM a run's place in the order moves it ~1%)."""
+    r %= max(len(decoders), 1)
+    return decoders[r:] + decoders[:r]
+
+
 def timed(fn, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -603,7 +612,7 @@ def main(argv=None):
         return 0 if all(a[n]["identical"] for a in answers for n in names) else 1
 
     # seconds[name][repeat] summed over prompts; greedy and each config alternate per prompt so
-    # that drifts in machine speed hit all of them alike.
+    # that drifts in machine speed hit all of them alike (the configs' order rotating each repeat).
     names = names_of(configs)
     seconds = {name: [0.0] * args.repeats for name in names}
     per_prompt = {name: [[] for _ in prompts] for name in names}  # [prompt][repeat] seconds
@@ -615,7 +624,7 @@ def main(argv=None):
             per_prompt["greedy"][i].append(ref.seconds)
             if r == 0:
                 results["greedy"].append((ref, True))
-            for name, cfg in zip(names[1:], configs):
+            for name, cfg in rotated(list(zip(names[1:], configs)), r):
                 gen = timed(lambda: lookahead(ids, cfg), device)
                 seconds[name][r] += gen.seconds
                 per_prompt[name][i].append(gen.seconds)

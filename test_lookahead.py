@@ -467,15 +467,21 @@ def test_step_costs_climb_one_size_at_a_time_and_extrapolate_the_growth():
 
 
 def test_step_costs_room_is_one_rung_above_the_recent_steps():
-    # What the policy expects steps to hold soon, as it climbs a size at a time: twice the
-    # largest of the last 8 steps (2 before any), a fixed table's largest size.
+    # What the policy expects steps to hold soon, as it climbs a size at a time: twice the upper
+    # median of the last 8 steps (2 before any), a fixed table's largest size. A rung tried once
+    # is a trial: it does not move the room (the largest would make it 32 here).
     costs = StepCosts()
     assert costs.room() == 2
-    for size in (4, 16, 2, 2, 2, 2, 2, 2, 2):
+    for size in (4, 16, 2, 2, 2, 2, 2, 2):
         costs.record(size, 0.1)
-    assert costs.room() == 32  # 16 is still among the last 8
-    costs.record(2, 0.1)
     assert costs.room() == 4
+    for size in (16, 16, 8):
+        costs.record(size, 0.1)  # the last 8: 2 2 2 2 2 16 16 8, the upper median 2
+    assert costs.room() == 4
+    costs.record(16, 0.1)  # 2 2 2 2 16 16 8 16: 8
+    assert costs.room() == 16
+    costs.record(16, 0.1)  # 2 2 2 16 16 8 16 16: half the steps at 16
+    assert costs.room() == 32
     assert StepCosts.flat(64).room() == 64
 
 
