@@ -37,7 +37,7 @@ It runs where a step can hold its whole tree (the policy's room, from the measur
 on a GPU where wide steps cost what one token does, or at flat cost), and idles below that: no
 candidates, no rankings read. Where steps hold a few guesses (this CPU: 4 tokens cost 1.5-2x one,
 steps of 1-4 tokens), the pool's and the Jacobi guess's best few are as good (Spec-Bench, 42
-answers, 64 tokens, median of 3 runs: 1.34 tokens per step with it and without), and reading
+answers, 64 tokens, median of 3 runs: 1.31-1.34 tokens per step with it and without), and reading
 the rankings is not free: the top-k of every row read and the walk, ~1% of a step here, and the
 prefill's, the LM head over every prompt token, 20% of SmolLM2's prefill (2.20 tokens per step
 with them at flat cost, 2.04 without).
