@@ -12,10 +12,10 @@
 
 For every configuration (`dynamic`, or W,N,G): tokens/s, steps, tokens per step, the cost of a step against a greedy
 step, the speed-up over greedy (runs alternate greedy / lookahead per prompt, the configs in an
-order rotating each repeat, after a warm-up,
-median over --repeats), and whether the tokens equal greedy's (they must: "yes"). Prints a
-table and the machine it ran on. With --batch B: each decoder one prompt at a time vs B prompts
-per batch (tokens/s over all prompts, and whether every row equals its one-by-one output).
+order rotating each repeat, after a warm-up, median over --repeats), and whether the tokens
+equal greedy's (they must: "yes"). Prints a table and the machine it ran on. With --batch B:
+each decoder one prompt at a time vs B prompts per batch (tokens/s over all prompts, and whether
+every row equals its one-by-one output).
 With --dataset spec-bench: Spec-Bench's questions turn by turn, per category and overall, with
 transformers' greedy generate and prompt lookup decoding in the same run where it is installed.
 """
@@ -228,8 +228,8 @@ def transformers_peers(path, device, dtype, n_new, stop):
 def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, device):
     """Spec-Bench, turn by turn (a second turn follows the model's own greedy first answer), every
     decoder alternating with our greedy on each answer (their order rotating each repeat), median
-    of --repeats; then per category
-    and overall: tokens per step, speed-up over our greedy, identity with it on every answer."""
+    of --repeats; then per category and overall: tokens per step, speed-up over our greedy,
+    identity with it on every answer."""
     questions = spec_bench_questions(args.per_category)
     peers = transformers_peers(path, device, model.dtype, args.max_new_tokens, tokenizer.stop_ids) if args.peers else {}
     names = ["greedy"] + [c.name for c in configs] + list(peers)

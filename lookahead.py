@@ -53,8 +53,8 @@ class DraftSource:
     first, each of at most k guesses (what is left before max_new_tokens; the source knows how
     far its guesses are worth making; seq.room is the most guesses the policy expects a step to
     hold soon, one rung above the recent steps, for a source whose guesses cost it to make); after
-    it observe(seq, step) sees the Verified step (with the model's top_k best tokens after every row read, if top_k > 0).
-    Any source is exact: verification accepts only the guesses greedy decoding would produce."""
+    it observe(seq, step) sees the Verified step (with the model's top_k best tokens after every
+    row read, if top_k > 0). Any source is exact: verification accepts only the guesses greedy decoding would produce."""
 
     top_k = 0
 
