@@ -54,7 +54,8 @@ class DraftSource:
     far its guesses are worth making; seq.room is the most guesses the policy expects a step to
     hold soon, one rung above the recent steps, for a source whose guesses cost it to make); after
     it observe(seq, step) sees the Verified step (with the model's top_k best tokens after every
-    row read, if top_k > 0). Any source is exact: verification accepts only the guesses greedy decoding would produce."""
+    row read, if top_k > 0). Any source is exact: verification accepts only the guesses greedy
+    decoding would produce."""
 
     top_k = 0
 
@@ -504,7 +505,8 @@ def start_rows(model, rows: list[Sequence], sampling: Sampling, room: int, start
     model's top-k after every prompt token before steps of `room` guesses see it."""
     readers = [[s for s in row.sources if s.top_k and s.wants_rankings(room)] for row in rows]
     k = max((s.top_k for sources in readers for s in sources), default=0)
-    logits, tops = prefill(model, [row.prompt for row in rows], k) if k else (prefill(model, [row.prompt for row in rows]), None)
+    prompts = [row.prompt for row in rows]
+    logits, tops = prefill(model, prompts, k) if k else (prefill(model, prompts), None)
     first = sampling.pick(logits, [row.gen for row in rows])[:, 0].tolist()
     for b, row in enumerate(rows):
         for source in readers[b]:

@@ -1,9 +1,9 @@
 """What each step runs: the policy behind lookahead decoding, apart from the algorithm.
 
 A policy has three calls: room(B) -> the most tokens it expects a step of B rows to hold soon
-(what draft sources need guess for: room - 1 guesses); plan(rows, trees, budget) -> for every row the
-trie of guesses to verify, the window columns to run and the step's Shape; observe(rows, steps,
-T, seconds) after the step.
+(room - 1 guesses: as far as a source whose guesses cost it to make need guess); plan(rows,
+trees, budget) -> for every row the trie of guesses to verify, the window columns to run and the
+step's Shape; observe(rows, steps, T, seconds) after the step.
 FixedShape is the paper's (W, N, G every step). DynamicShape chooses per step: lookahead decoding
 verifies any guesses exactly, and what it should guess depends on what a step costs on this
 device and on how often guesses like these were right. choose_shape maximises the expected
@@ -120,8 +120,8 @@ class StepCosts:
     the menu one rung at a time and stops where a wider step no longer pays. On a CPU it stops
     after a rung or two; where steps are free (a GPU at small sizes) it goes wide. So the next
     steps will hold about twice what the recent ones held (room, from the median of the last 8:
-    a size tried once, a rung up, is a trial, not where the steps are): what sources whose guesses
-    cost to make need guess for.
+    a size tried once, a rung up, is a trial, not where the steps are): as far as sources whose
+    guesses cost to make need guess.
     `table` fixes the estimates instead (a cost model for tests and experiments: sizes not in
     it are never chosen)."""
 
