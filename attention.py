@@ -62,3 +62,39 @@ def merge(a, b):
     (out_a, lse_a), (out_b, lse_b) = a, b
     wide = lse_a.dtype
     return torch.lerp(out_b.to(wide), out_a.to(wide), torch.sigmoid(lse_a - lse_b))
+
+
+def step_masks(positions, committed, block, lo: int, hi: int, dtype, window=None):
+    """What a call's tokens attend to in the layers of one kind (window: a sliding layer's
+    width), as (own, prefix) for model.Attention: built once a forward, shared by those layers.
+
+    own: None (causal), False (a one-token step: its slot is read with the committed ones), or
+    an additive (B, 1, T, T) mask. prefix: None, or (start, end, mask) over cache slots
+    [start, end): one entry a row and slot (B, 1, 1, S), or none at all when every row sees every
+    slot read; a sliding layer's band (keys at q_pos - window < p <= q_pos) is per token, a bool
+    (B, 1, 1, T, S)."""
+    B, T = positions.shape
+    own = None  # causal
+    if block is not None or (window and T > window):
+        keep = torch.ones(B, T, T, dtype=torch.bool, device=positions.device).tril() if block is None else block
+        if window:
+            keep = keep & (positions[:, :, None] - positions[:, None, :] < window)
+        own = additive(keep, dtype)[:, None]  # (B, 1, T, T)
+    if committed is None or hi == 0:
+        return own, None
+    end = hi
+    if block is not None and T == 1 and lo == hi:  # one token a row, every row as long: its own
+        own, end = False, hi + 1  # slot read with the committed ones, one fused call and no mask
+        committed = committed + 1
+    start = max(0, lo - window + 1) if window else 0
+    slot = torch.arange(start, end, device=positions.device)
+    seen = slot < committed  # (B, S): each row's committed slots
+    if window:
+        band = seen[:, None, :] & (positions[:, :, None] - slot < window)  # (B, T, S)
+        return own, (start, end, band[:, None, None])
+    return own, (start, end, None if lo == hi else additive(seen, dtype)[:, None, None])  # (B, 1, 1, S)
+
+
+def additive(keep, dtype):
+    """A boolean mask as attention's additive one: 0 where kept, -inf elsewhere."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))

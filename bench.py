@@ -1,7 +1,7 @@
 """Benchmark: greedy vs lookahead decoding, measured side by side, on the same model and prompts.
 
     python bench.py                                  # SmolLM2-135M-Instruct, the dynamic shape
-    python bench.py --configs dynamic 0,4,1 --readme # the README's CPU table
+    python bench.py --configs dynamic 0,4,1 --markdown # docs/PERFORMANCE.md's CPU table
     python bench.py --device cuda --compile --configs dynamic 15,5,15 7,5,7
     python bench.py --sweep --json results.json      # a grid of W,N,G
     python bench.py --batch 8 --max-new-tokens 64    # the prompts one by one vs in batches of 8
@@ -113,7 +113,7 @@ def load_prompts(path, tokenizer):
 
 def print_tables(rows, results, labels, markdown):
     """The summary (one row per decoder) and the speed-up of every prompt, as plain columns or
-    as the README's Markdown tables."""
+    as Markdown tables (docs/PERFORMANCE.md)."""
     head = ["decoder", "tokens/s", "steps", "tokens/step", "step cost", "speed-up", "per prompt: median", "worst",
             "same as greedy"]
     body = [[r["config"], f"{r['tokens_per_s']:.1f}", str(r["steps"]), f"{r['tokens_per_step']:.2f}",
@@ -129,7 +129,7 @@ def print_tables(rows, results, labels, markdown):
 
 
 def print_table(head: list[str], body: list[list[str]], markdown: bool):
-    """Rows of cells as a Markdown table (the README's) or as aligned columns."""
+    """Rows of cells as a Markdown table (docs/PERFORMANCE.md's) or as aligned columns."""
     if markdown:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         print("\n".join("| " + " | ".join(row) + " |" for row in body))
@@ -443,12 +443,12 @@ def bench_long(model, tokenizer, path, configs, greedy, lookahead, args, device)
         row.append("yes" if all(gens[n].tokens == ref.tokens for n in names) else "NO")
         body.append(row)
         print(f"{target}-token document done", file=sys.stderr, flush=True)
-    print_table(head, body, args.readme)
+    print_table(head, body, args.markdown)
     print()
     sizes = list(next(iter(costs.values())))
     print_table(["context (tokens)"] + [f"{T}-token step: ms, x a 1-token step at {min(costs)}" for T in sizes],
                 [[str(n)] + [f"{c[T] * 1e3:.0f}, {c[T] / costs[min(costs)][1]:.2f}x" for T in sizes]
-                 for n, c in costs.items()], args.readme)
+                 for n, c in costs.items()], args.markdown)
     return 0 if all(row[-1] == "yes" for row in body) else 1
 
 
@@ -471,7 +471,7 @@ def bench_contexts(path, contexts, device, dtype, compile_sizes=(1, 8), committe
             (folder / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=n)))
             model = Transformer.from_pretrained(folder, device, dtype)
             if n == contexts[0]:  # the same model eager, for comparison
-                model.setup_cache(min(2 * committed, model.args.max_seq_len))
+                model.cache.setup(min(2 * committed, model.args.max_seq_len))
                 models["eager"] = model, 0.0, sum(b.numel() * b.element_size() for name, b in model.named_buffers()
                                                   if name.endswith("_cache"))
                 model = Transformer.from_pretrained(folder, device, dtype)
@@ -492,7 +492,7 @@ def bench_contexts(path, contexts, device, dtype, compile_sizes=(1, 8), committe
                         seconds[n, T].append(time.perf_counter() - start)
     head = ["max_position_embeddings", "cache slots", "K/V allocated (MB)", "compile (s)"]
     head += [f"{T}-token step at {committed} (ms), vs {contexts[0]}" for T in compile_sizes]
-    body = [[f"{contexts[0]}, eager" if n == "eager" else str(n), str(model.cache_len), f"{kv / 2 ** 20:.0f}",
+    body = [[f"{contexts[0]}, eager" if n == "eager" else str(n), str(model.cache.slots), f"{kv / 2 ** 20:.0f}",
              "-" if n == "eager" else f"{secs:.0f}"]
             + [f"{min(seconds[n, T]) * 1e3:.1f}, {min(seconds[n, T]) / min(seconds[contexts[0], T]):.2f}x"
                for T in compile_sizes] for n, (model, secs, kv) in models.items()]
@@ -532,8 +532,8 @@ def main(argv=None):
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", choices=DTYPES, default="float32")
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--readme", action="store_true", help="print the tables in the README's Markdown format")
-    ap.add_argument("--compile", action="store_true", help="compile the step sizes first (Transformer.compile_steps)")
+    ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown, as docs/PERFORMANCE.md holds them")
+    ap.add_argument("--compile", action="store_true", help="compile the step sizes first (model.CompiledStep)")
     ap.add_argument("--batch", type=int, default=0, metavar="B", help="compare one by one with batches of B prompts")
     ap.add_argument("--dataset", choices=["spec-bench"], default=None,
                     help="Spec-Bench's questions (data/spec_bench) instead of the built-in prompts, by category")
@@ -585,15 +585,15 @@ def main(argv=None):
         return lookahead_decode(model, ids, n_new, stop_ids=stop, costs=costs, **dict(cfg.options))
 
     command = "python bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"{'' if args.readme else '# '}`{command}`: {machine(device)}, {str(dtype).removeprefix('torch.')}, "
+    print(f"{'' if args.markdown else '# '}`{command}`: {machine(device)}, {str(dtype).removeprefix('torch.')}, "
           f"{f'Spec-Bench, {args.per_category} per category' if args.dataset else 'summaries of Spec-Bench articles' if args.long is not None else f'{len(prompts)} prompts'} x {n_new} "
           f"tokens, median of {args.repeats} runs"
-          + (f", compiled in {compile_seconds:.0f} s" if args.compile else "") + (":\n" if args.readme else ""), flush=True)
+          + (f", compiled in {compile_seconds:.0f} s" if args.compile else "") + (":\n" if args.markdown else ""), flush=True)
     for ids in prompts[:2]:  # warm-up: allocator, caches, kernels
         greedy(ids), lookahead(ids, configs[0])
     if args.batch:
         return bench_batch(model, prompts, args.batch, configs, names_of(configs), greedy, lookahead, n_new, stop,
-                           costs, args.repeats, args.readme)
+                           costs, args.repeats, args.markdown)
     if args.long is not None:
         return bench_long(model, tokenizer, path, configs, greedy, lookahead, args, device)
     if args.dataset:
@@ -603,7 +603,7 @@ def main(argv=None):
         context = int(statistics.median(a["prompt_tokens"] for a in answers)) + n_new // 2
         seconds = step_costs_at(model, context, sizes=STEP_SIZES[:5], repeats=9)
         step_costs = (context, {size: t / seconds[1] for size, t in seconds.items()})
-        categories, summary = print_spec_bench(names, answers, args.readme, step_costs)
+        categories, summary = print_spec_bench(names, answers, args.markdown, step_costs)
         if args.json:
             Path(args.json).write_text(json.dumps(dict(machine=machine(device), dtype=str(dtype), max_new_tokens=n_new,
                                                        repeats=args.repeats, answers=answers), indent=1))
@@ -648,7 +648,7 @@ def main(argv=None):
                          step_cost=(secs / max(steps, 1)) / (base / max(base_steps, 1)),
                          identical=all(same for _, same in gens)))
     labels = [f"{i + 1} {kind}" for i, kind in enumerate(kinds)]
-    print_tables(rows, results, labels, args.readme)
+    print_tables(rows, results, labels, args.markdown)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(machine=machine(device), dtype=str(dtype), device=str(device),
                                                    max_new_tokens=n_new, repeats=args.repeats, rows=rows), indent=1))

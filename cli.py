@@ -2,7 +2,7 @@
 
 Loads a checkpoint (a folder or a Hugging Face Hub id, through the local cache), encodes the
 prompt (optionally through the chat template), and streams lookahead's output, with --compare
-(greedy beside it), --show (colours by tokens per step) and --trace (what each step did).
+(greedy beside it), --show (colours by tokens per step) and --explain (what each step did).
 --batch FILE decodes many prompts in one batch instead, and prints them in order.
 """
 import argparse
@@ -15,11 +15,13 @@ from collections import Counter
 import torch
 
 from decoding import Generation, Sampling, greedy_decode, greedy_decode_batch, sample_decode
+from explain import explain_step
 from lookahead import JacobiGuess, lookahead_decode, lookahead_decode_batch
 from model import Transformer
 from recycling import TokenRecycling
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EXPLAIN_SHAPE = "4,4,4"  # --explain's W,N,G unless given: a window small enough to read
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # --show: a colour per number of tokens a step committed (1 = plain).
 COLOURS = {2: "36", 3: "32", 4: "33", 5: "35"}
@@ -88,8 +90,9 @@ def parse_args(argv):
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--show", action="store_true", help="colour tokens by how many their step committed")
-    ap.add_argument("--trace", type=int, nargs="?", const=3, default=0, metavar="STEPS",
-                    help="print what the first STEPS steps did (default 3)")
+    ap.add_argument("--explain", type=int, nargs="?", const=4, default=0, metavar="STEPS",
+                    help="print what the first STEPS steps did (default 4): window, pooled n-grams, trie, verdict; "
+                         f"without --window/--candidates in the paper's fixed shape {EXPLAIN_SHAPE}")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--compile", action="store_true",
                     help="compile every step size first (CUDA graphs on a GPU; about a minute per size on a CPU)")
@@ -102,8 +105,10 @@ def parse_args(argv):
 
     if (args.prompt is not None) + (args.prompt_file is not None) + (args.batch is not None) != 1:
         ap.error("give one of --prompt, --prompt-file or --batch")
-    if args.batch is not None and (args.trace or args.show or args.compile):
-        ap.error("--trace and --show follow one prompt, and a compiled model decodes one; not with --batch")
+    if args.batch is not None and (args.explain or args.show or args.compile):
+        ap.error("--explain and --show follow one prompt, and a compiled model decodes one; not with --batch")
+    if args.explain and args.window is None and args.candidates is None:
+        args.window, args.ngram, args.candidates = (int(x) for x in EXPLAIN_SHAPE.split(","))
     if args.batch is not None and args.greedy and not (args.temperature == 0 or args.top_k == 1):
         ap.error("--batch samples with lookahead only; drop --greedy or the sampling options")
     if args.device not in (None, "cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -184,27 +189,13 @@ def main(argv=None):
             return run_batch(args, model, tokenizer, [encode(p) for p in args.prompts], stop_ids)
         prompt_ids = encode(args.prompt)
 
-        def piece(ids):  # a token as the trace shows it
-            return repr(tokenizer.decode(list(ids) if isinstance(ids, (list, tuple)) else [ids]))
+        def explain(step):
+            if explained[0] < args.explain:
+                explained[0] += 1
+                print("\n" + explain_step(explained[0], step, lambda t: repr(tokenizer.decode([t]))),
+                      file=sys.stderr, flush=True)
 
-        def trace(step):
-            if step["step"] >= args.trace:
-                return
-            s = step["shape"]
-            out = [f"\n-- step {step['step'] + 1}: last token {piece(step['last'])}; {s.size} tokens: "
-                   f"{s.guesses} guess{'' if s.guesses == 1 else 'es'}, window {s.window}x{s.levels}"
-                   + (f", expected to commit {s.expected:.2f} at {s.cost:.2f}x the cheapest step" if s.expected else "")]
-            for i, level in enumerate(step["window"]):
-                out.append(f"   window level {i}: " + " ".join(piece(t) for t in level))
-            for g, cand in enumerate(step["candidates"]):
-                mark = f"<- {step['accepted']} accepted" if g == step["winner"] and step["accepted"] else ""
-                source = "jacobi guess" if step["sources"][g] == "jacobi" else f"candidate {g} ({step['sources'][g]})"
-                out.append(f"   {source}: " + " ".join(piece(t) for t in cand) + f"  {mark}")
-            if not step["candidates"]:
-                out.append("   no candidates start with the last token")
-            out.append(f"   committed {len(step['committed'])}: {piece(step['committed'])}")
-            print("\n".join(out), file=sys.stderr, flush=True)
-
+        explained = [0]
         def run(greedy: bool, stream: bool) -> Generation:
             out = TextStream(tokenizer)
             stop = set(stop_ids)
@@ -230,7 +221,7 @@ def main(argv=None):
                                            candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
                                            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                            drafts=args.draft_sources, on_tokens=on_tokens if stream else None,
-                                           on_step=trace if args.trace else None)
+                                           on_step=explain if args.explain else None)
             finally:
                 if stream:
                     print(out.flush(), flush=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model import Transformer
+from sampling import GREEDY, Sampling
 
 
 @dataclass
@@ -60,11 +61,11 @@ def check_requests(model: Transformer, prompts, max_new_tokens: int) -> list[int
             raise ValueError(f"prompt ids must lie in [0, {model.args.vocab_size}){which}")
         if len(prompt_ids) >= context:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}{which}")
-    if len(prompts) > 1 and model.compiled_step is not None:
+    if len(prompts) > 1 and model.compiled is not None:
         raise ValueError("a compiled model decodes one sequence at a time; load it without compile for a batch")
     need = max(len(p) for p in prompts) + max_new_tokens - 1
-    if model.compiled_step is not None and need > model.cache_len < context:
-        raise ValueError(f"the request needs {need} cache slots and the compiled cache holds {model.cache_len}; "
+    if model.compiled is not None and need > model.cache.slots < context:
+        raise ValueError(f"the request needs {need} cache slots and the compiled cache holds {model.cache.slots}; "
                          f"load with max_seq_len={min(need, context)} (--max-seq-len)")
     # The last generated token never needs a K/V slot, so m tokens need len(prompt) + m - 1.
     return [min(max_new_tokens, context - len(p)) for p in prompts]
@@ -74,11 +75,11 @@ def ensure_cache(model: Transformer, needed: int, rows: int):
     """Reuse the model's KV cache when it has the rows and is long enough; else allocate once,
     with headroom for longer requests. A compiled model keeps its cache (check_requests made sure
     the request fits; lookahead's steps near its end shrink to what is left)."""
-    if model.compiled_step is not None:
+    if model.compiled is not None:
         return
-    if model.cache_len < needed or model.cache_rows != rows:
-        grown = 2 * model.cache_len if model.cache_rows == rows else 0
-        model.setup_cache(min(model.args.max_seq_len, max(needed, grown, 256)), rows)
+    if model.cache.slots < needed or model.cache.rows != rows:
+        grown = 2 * model.cache.slots if model.cache.rows == rows else 0
+        model.cache.setup(min(model.args.max_seq_len, max(needed, grown, 256)), rows)
 
 
 PREFILL_CHUNK = 1024  # a prompt runs this many tokens a forward: its activations stay those of 1024 tokens
@@ -102,28 +103,28 @@ def run_prompt(model: Transformer, ids: list[int], row: int, head=True):
         end = min(a + PREFILL_CHUNK, P)
         last = torch.tensor([end - 1 - a], device=dev) if head and end == P else None  # the logits row
         out = model(tokens[:, a:end], torch.arange(a, end, device=dev), torch.full((1, 1), a, device=dev),
-                    span=(a, a), cache_row=row, prompt_end=P - 1, rows=last, head=last is not None)
+                    span=(a, a), cache_row=row, prompt_end=P - 1, read=last, head=last is not None)
         if not head:
             hidden.append(out[0])
     return torch.cat(hidden) if not head else out[:, -1]
 
 
-def prefill(model: Transformer, prompts, top_k: int = 0):
+def prefill(model: Transformer, prompts, rankings: int = 0):
     """Run each prompt through the model, prompt b filling slots [0, P_b) of cache row b; return
     the logits (B, V) that predict each first new token. One prompt at a time, so that prompts
     of different lengths cost the sum of their lengths, not B times the longest.
-    top_k: also return, per prompt, the model's top_k tokens after each of its tokens (P_b, k)
-    as lists, the logits read 256 rows at a time (a draft source recycles them)."""
+    rankings: also return, per prompt, the model's `rankings` best tokens after each of its
+    tokens (P_b, k) as lists, the logits read 256 positions at a time (for draft sources)."""
     logits, tops = [], []
     for b, prompt_ids in enumerate(prompts):
-        if not top_k:
+        if not rankings:
             logits.append(run_prompt(model, prompt_ids, b))
             continue
         hidden = run_prompt(model, prompt_ids, b, head=False)  # (P, dim)
         logits.append(model.lm_head(hidden[-1:]))
-        tops.append(torch.cat([model.lm_head(hidden[i:i + 256]).topk(top_k).indices
+        tops.append(torch.cat([model.lm_head(hidden[i:i + 256]).topk(rankings).indices
                                for i in range(0, len(prompt_ids), 256)]).tolist())
-    return (torch.cat(logits), tops) if top_k else torch.cat(logits)  # (B, V)
+    return (torch.cat(logits), tops) if rankings else torch.cat(logits)  # (B, V)
 
 
 def rope_switch(model: Transformer) -> int | None:
@@ -132,11 +133,11 @@ def rope_switch(model: Transformer) -> int | None:
     return s["original_max_position_embeddings"] if s and s["rope_type"] == "longrope" else None
 
 
-def step_room(model: Transformer, C: int) -> int:
+def step_limit(model: Transformer, C: int) -> int:
     """How many tokens a step of a row with C committed slots may hold: the cache's free slots,
     and before a longrope switch (Phi-3) no position past it (see switch_rope)."""
     switch = rope_switch(model)
-    return min(model.cache_len - C, switch - C if switch is not None and C < switch else model.cache_len)
+    return min(model.cache.slots - C, switch - C if switch is not None and C < switch else model.cache.slots)
 
 
 def switch_rope(model: Transformer, row: int, C: int, sequence: list[int]):
@@ -144,54 +145,9 @@ def switch_rope(model: Transformer, row: int, C: int, sequence: list[int]):
     all of its tokens. transformers' greedy decoding drops its cache at the step where the
     sequence grows past that length and runs it whole; here the row's committed tokens and its
     `last` (sequence, C + 1 tokens) are run again into their slots, so that every later step sees
-    exactly those keys. Steps before that keep their positions before the switch (step_room)."""
+    exactly those keys. Steps before that keep their positions before the switch (step_limit)."""
     if C == rope_switch(model):
         run_prompt(model, sequence, row)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Temperature, top-k (0 = off) and top-p (1 = off). Temperature 0 or top_k 1 is greedy."""
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k, top-p."""
-        logits = logits.float() / self.temperature
-        if self.top_k:
-            kth = logits.topk(min(self.top_k, logits.shape[-1])).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p < 1:
-            # Keep the most likely tokens until their mass reaches top_p (the one crossing it too).
-            sorted_logits, order = logits.sort(-1, descending=True)
-            p = sorted_logits.softmax(-1)
-            drop = p.cumsum(-1) - p >= self.top_p
-            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        return logits.softmax(-1)
-
-    def pick(self, logits: torch.Tensor, generators) -> torch.Tensor:
-        """(B, V) logits -> (B, 1) tokens: the argmax when greedy, else a draw from probs with
-        row b's own generator."""
-        if self.greedy:
-            return logits.argmax(-1, keepdim=True)
-        probs = self.probs(logits)
-        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])[:, None]
-
-
-GREEDY = Sampling(temperature=0)
 
 
 def per_row(on_tokens):
@@ -207,7 +163,7 @@ def drop_finished(model: Transformer, active: list[int], done, gens: list[Genera
     for j in set(range(len(active))) - set(keep):
         gens[active[j]].seconds = time.perf_counter() - start
     if keep and len(keep) < len(active):
-        model.keep_rows(keep, used)
+        model.cache.keep_rows(keep, used)
     return keep
 
 

@@ -1,28 +1,35 @@
 """Lookahead decoding (Fu, Bailis, Stoica, Zhang, ICML 2024, arXiv 2402.02057), exactly greedy.
 
 Greedy decoding is the fixed point of y_i = argmax p(. | prompt, y_<i) for all future i at once.
-Jacobi iteration guesses many future tokens and refines them in parallel; each guess drags an
-n-gram behind it. Lookahead decoding keeps a 2-D window of those guesses, pools the n-grams they
-trace, and in the SAME forward verifies the pooled n-grams that start with the last token: what
-verification accepts is exactly what greedy decoding produces, and a step commits up to N tokens
-(a pooled n-gram's; other draft sources' chains may be longer).
+Jacobi iteration guesses many future tokens and refines them in parallel; each refined guess
+drags an n-gram behind it. Lookahead decoding keeps a 2-D window of those guesses, pools the
+n-grams they trace, and in the SAME forward verifies the pooled n-grams that start with the last
+token: what verification accepts is exactly what greedy decoding produces.
 
-One step, as lookahead_step runs it for every row of a batch:
+Words (one meaning each):
+  step       one forward of the model, after which 1 to N tokens are committed
+  row        one prompt of a batch (its state: a Sequence); a single prompt is a batch of one
+  C, last    a row's committed length; `last` is its newest committed token, in slot C
+  guess      a guessed token waiting for verification: a node of the trie
+  candidate  a chain of guesses continuing `last`, from one draft source (drafts.py)
+  window     W columns x (N-1) levels of tokens refined by Jacobi iteration; its columns' tokens
+             plus the model's prediction after them are n-grams (N tokens)
+  pool       the n-grams seen so far, by first token; those starting with `last` are candidates
+  trie       the candidates merged on shared prefixes: each distinct guess is run once
+  commit     append the accepted guesses and the model's next token to the output
+  roll back  keep only the committed tokens' K/V in the cache
+  shape      what a step runs: window columns, guesses, tokens in all (the paper's W, N, G)
+  policy     who chooses the shape: the paper's FixedShape here, or shape.py's DynamicShape
 
-    propose -> plan -> inputs -> forward -> verify -> advance -> roll the cache back
-    (drafts)   (shape)  (mask)   (model)   (greedy   (commit, Jacobi     (keep the accepted
-                                            or        guess, window,      tokens' K/V)
-                                            sampled)  pool)
+One step (lookahead_step), numbered as in the code:
 
-Top to bottom: Candidate and DraftSource (what every source of guesses implements), NGramPool
-and JacobiGuess (the two built-in ones); Tree; window_layout and step_inputs (the mask); the two
-verifications; Sequence (a prompt's state); lookahead_step and the decoders. What each step runs
-is a policy, shape.py's FixedShape (the paper's W, N, G) or DynamicShape; decoding.py has the
-request, the prefill and the baselines.
+    1 propose -> 2 plan -> 3 inputs -> 4 forward -> 5 verify -> 6 window -> 7 commit -> 8 roll back
+    (pool,       (shape)   (tokens,    (the        (the model's  (Jacobi     (accepted    (keep the
+     Jacobi                 one mask)   model)      own choice)   update,     guesses +    committed
+     guess: trie)                                                 pool)       next token)  K/V)
 
-Words: a *guess* is one guessed token, a node of the trie; a *candidate* is a chain of guesses
-continuing the last token, from one draft source (a pooled n-gram's rest, the Jacobi guess).
-The fixed shape's `candidates` is the paper's G, its "guess set size".
+Up to the divider: the algorithm for one greedy sequence. After it: batches, sampling, and
+what other draft sources (drafts.py) and the dynamic policy (shape.py) need.
 """
 import random
 import time
@@ -32,59 +39,17 @@ from functools import lru_cache
 
 import torch
 
-from decoding import (Generation, Sampling, check_requests, drop_finished, ensure_cache, per_row, prefill,
-                      step_room, switch_rope)
-from shape import Shape, shape_policy
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A chain of guesses continuing `last`, and who made it: `source` names the draft source
-    (the dynamic shape learns how often each source's guesses are right); from_window marks an
-    n-gram the lookahead window made (it credits the window)."""
-    tokens: tuple
-    source: str
-    from_window: bool = False
-
-
-class DraftSource:
-    """Where guesses come from. `drafts(seq)` makes each row's sources when a request starts;
-    before every step propose(seq, k) returns candidate continuations of seq.tokens[-1], best
-    first, each of at most k guesses (what is left before max_new_tokens; the source knows how
-    far its guesses are worth making; seq.room is the most guesses the policy expects a step to
-    hold soon, one rung above the recent steps, for a source whose guesses cost it to make); after
-    it observe(seq, step) sees the Verified step (with the model's top_k best tokens after every
-    row read, if top_k > 0). Any source is exact: verification accepts only the guesses greedy
-    decoding would produce."""
-
-    top_k = 0
-
-    def propose(self, seq: "Sequence", k: int) -> list[Candidate]:
-        return []
-
-    def wants_rankings(self, room: int) -> bool:
-        """With top_k > 0: whether the model's top_k after every row is worth reading before steps
-        of `room` guesses: after every row a step reads (Verified.top, else None) and, as the
-        request starts, after every prompt token (observe_prefill; that is the LM head over the
-        whole prompt, 20% of SmolLM2's prefill, 60% of Gemma 3's)."""
-        return True
-
-    def observe_prefill(self, seq: "Sequence", top: list[list[int]]):
-        """The model's top_k best tokens after every prompt token, once, if it wants_rankings."""
-
-    def observe(self, seq: "Sequence", step: "Verified"):
-        pass
-
-
-def token_back(seq, n: int) -> int:
-    """The n-th token from the end of prompt + tokens (n >= 1), without joining the two."""
-    return seq.tokens[-n] if n <= len(seq.tokens) else seq.prompt[len(seq.tokens) - n]
+from decoding import Generation, check_requests, drop_finished, ensure_cache, per_row, step_limit, switch_rope
+from drafts import Candidate, DraftSource, predictions, prefill_with_rankings, token_back
+from model import step_size
+from sampling import Sampling, verify_sampled
+from shape import DynamicShape, Shape
 
 
 class NGramPool(DraftSource):
-    """n-grams seen so far (Sequence adds the prompt's, the window's and the committed text's),
-    keyed by their first token, at most `cap` per key, least recently seen evicted first. Each
-    remembers the tokens seen right before it (for ranked) and whether the window made it."""
+    """The paper's draft source: n-grams seen so far (the prompt's, the window's, the committed
+    text's) by first token, at most `cap` a key, least recently seen evicted first. Each keeps the
+    tokens seen right before it and whether the window made it."""
 
     def __init__(self, cap: int):
         self.cap = cap
@@ -106,22 +71,21 @@ class NGramPool(DraftSource):
 
     def ranked(self, key, before=None) -> list[tuple]:
         """The continuations of `key` as (rest, seen after `before`?, from the window?): those seen
-        after `before` (the token before `key` now) first, most recent first in each. Two tokens of
-        context pick better than one (the summary prompt: 3.2 tokens per step at 1,4,1, not 2.1)."""
+        after `before` (the token before `key` now: two tokens of context pick better) first, most
+        recent first in each."""
         entries = [(rest, before in seen, win) for rest, (seen, win) in reversed(self.by_key.get(key, {}).items())]
         return [e for e in entries if e[1]] + [e for e in entries if not e[1]]
 
-    def propose(self, seq, k):
-        """The pooled n-grams that start with `last`: "pool2" those that also matched the token
-        before it (two tokens of context), "pool1" the others."""
+    def propose(self, seq, k):  # "pool2": seen after the token before `last` too; "pool1": not
         return [Candidate(rest[:k], "pool2" if after else "pool1", win)
                 for rest, after, win in self.ranked(seq.tokens[-1], token_back(seq, 2))]
 
 
 class JacobiGuess(DraftSource):
-    """The model's own predictions left over from the step before. The first rejected guess's
-    rows predicted what follows the commit from a context wrong in one token: as in Jacobi
-    decoding, a guess for the next step, and often right.
+    """This project's addition beside the paper's pooled n-grams: the model's own predictions
+    left over from the step before. The rows after the first rejected guess predicted what
+    follows the commit from a context wrong in one token: as in Jacobi decoding, a guess for the
+    next step, and often right.
 
         accepted   last  a0         rejected: a1 (the model said b)   commits a0, b
         rows       a1 -> p1, a2 -> p2            Jacobi guess next step: [p1, p2]
@@ -140,11 +104,11 @@ class JacobiGuess(DraftSource):
 
 
 class Tree:
-    """The guesses of one step: candidate continuations of `last` merged into a trie.
+    """The trie of one step's guesses: the candidates merged on shared prefixes.
 
-    Node 0 is `last`; every other node is a guessed token whose context is its chain of
-    ancestors, at position C + depth. Candidates that share a prefix share its nodes, so a
-    step verifies all of them for the price of their distinct tokens:
+    Node 0 is `last`; every other node is a guess whose context is its chain of ancestors, at
+    position C + depth. Candidates that share a prefix share its nodes, so a step verifies all
+    of them for the price of their distinct tokens:
 
         candidates  a b c  |  a b d  |  a e f  |  g h i        last
                                                             /        \\
@@ -184,11 +148,17 @@ class Tree:
     def __len__(self):
         return len(self.tokens)
 
+    def first_chain(self, node) -> list[int]:
+        """Node, its first child, that one's first child, ...: the best-ranked candidate's rest."""
+        out = [node]
+        while self.children[out[-1]]:
+            out.append(next(iter(self.children[out[-1]].values())))
+        return out
+
     def keep(self, nodes) -> "Tree":
         """The sub-trie of these nodes (closed under parents), rebuilt from the candidates in
-        their order, so each node keeps the first candidate through it."""
-        keep = set(nodes) | {0}
-        out = self.replaced(())
+        their order, so each node keeps the first candidate through it (a step that must shrink)."""
+        keep, out = set(nodes) | {0}, Tree(self.tokens[0])
         for candidate in self.candidates:
             v, kept = 0, []
             for tok in candidate.tokens:
@@ -199,16 +169,38 @@ class Tree:
             out.add(replace(candidate, tokens=tuple(kept)))
         return out
 
-    def replaced(self, candidates) -> "Tree":
-        """The trie of other candidates for the same `last`."""
-        return Tree(self.tokens[0], candidates)
 
-    def first_chain(self, node) -> list[int]:
-        """Node, its first child, that one's first child, ...: the best-ranked candidate's rest."""
-        out = [node]
-        while self.children[out[-1]]:
-            out.append(next(iter(self.children[out[-1]].values())))
-        return out
+class FixedShape:
+    """The paper's policy: every step the first G candidates, each cut or padded to N-1 guesses
+    (padded with its last token: a slot's cost, never exactness), and the whole window, W columns
+    x N-1 levels. Near the end of the cache the window sits out and the trie shrinks to what fits."""
+
+    def __init__(self, W: int, N: int, G: int):
+        if W < 0 or G < 0:
+            raise ValueError(f"need window >= 0 and candidates >= 0 (got {W}, {G})")
+        self.W, self.N, self.G = W, N, G
+        self.pool_cap = max(G, 8) if G else 0  # a few n-grams per key even for a small G, to rank from
+        self.largest = step_size(1 + (W + G) * (N - 1))  # last, the window and every candidate's guesses
+
+    def plan(self, rows, trees, limit: int) -> list[tuple]:
+        """For every row: (the trie to verify, window columns, Shape), within `limit` tokens."""
+        return [self.plan_row(row, tree, limit) for row, tree in zip(rows, trees)]
+
+    def plan_row(self, row, tree, limit: int):
+        K = min(self.N - 1, row.max_new - len(row.tokens) - 1)  # the guesses a candidate may make
+        tree = Tree(tree.tokens[0], [replace(c, tokens=(c.tokens + c.tokens[-1:] * K)[:K])
+                                     for c in tree.candidates[:self.G]])
+        L = len(row.window) or 1  # a window starts with one level
+        w = self.W if step_size(len(tree) + self.W * L) <= limit else 0
+        if step_size(len(tree) + w * L) > limit:
+            tree = tree.keep(range(1, 1 << (limit.bit_length() - 1)))
+        return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
+
+    def forecast(self, B: int) -> int:
+        return self.largest
+
+    def observe(self, rows, steps, T: int, seconds: float):
+        pass  # the same shape every step, whatever happened
 
 
 @lru_cache(maxsize=None)
@@ -244,12 +236,12 @@ def window_layout(W: int, L: int):
 
 def step_inputs(tree: Tree, window, w: int, size: int):
     """Tokens (size,), positions after C (size,), the (size, size) in-step mask (0/1) and the
-    logits rows to read, of one row's step laid out as
+    positions whose logits are read, of one row's step laid out as
 
-        [ tree: last, guesses | window: w columns x L levels | padding ]
+        [ trie: last, guesses | window: w columns x L levels | padding ]
 
-    Rows read: every tree node (row i predicts the token after node i), then the newest window
-    level (its predictions become the next level). Padding attends only to itself, never read."""
+    Read: every trie node (the logits at node i predict the token after it), then the newest
+    window level (its predictions become the next level). Padding attends only to itself."""
     n, L = len(tree), len(window) if w else 0
     T = n + w * L
     block = torch.zeros(size, size, dtype=torch.long)
@@ -264,7 +256,7 @@ def step_inputs(tree: Tree, window, w: int, size: int):
         block[rows, cols] = 1
     offsets = torch.zeros(size, dtype=torch.long)
     offsets[:n] = torch.tensor(tree.depth)
-    seq = tree.tokens + [t for level in window[:L] for t in level[:w]] + [0] * (size - T)
+    tokens = tree.tokens + [t for level in window[:L] for t in level[:w]] + [0] * (size - T)
     if L:
         wmask, woffsets = window_layout(w, L)
         block[n:T, 0] = wmask[:, 0]
@@ -273,7 +265,7 @@ def step_inputs(tree: Tree, window, w: int, size: int):
     pad = torch.arange(T, size)
     block[pad, pad] = 1
     read = list(range(n)) + list(range(n + (L - 1) * w, n + L * w))
-    return torch.tensor(seq), offsets, block, read
+    return torch.tensor(tokens), offsets, block, read
 
 
 def verify_greedy(tree: Tree, pred) -> tuple[list[int], int]:
@@ -288,86 +280,103 @@ def verify_greedy(tree: Tree, pred) -> tuple[list[int], int]:
     return path, pred[v]
 
 
-def verify_sampled(tree: Tree, probs, rng, gen) -> tuple[list[int], int]:
-    """Lossless verification under sampling -> (accepted nodes, the next sampled token).
-
-    Speculative sampling with one-hot drafts down the trie. With p the model's distribution after
-    node v (probs[v], (len(tree), V)), try v's children d1, d2, ... in turn, accepting d_i with
-    probability p(d_i) / (1 - S_i), S_i = p(d1) + ... + p(d_i-1): p renormalised without the
-    rejected ones. The rejections before it leave probability 1 - S_i, so d_i comes out with
-    probability p(d_i); if all are rejected the residual is sampled: every token x has p(x). An
-    accepted child continues the walk with the model's distribution given that prefix."""
-    p_own = [1.0]  # p_own[i]: probability of node i's token under its parent's distribution
-    if len(tree) > 1:
-        p_own += probs[tree.parent[1:], tree.tokens[1:]].tolist()  # one host sync for all guesses
-    path, v = [], 0
-    while tree.children[v]:
-        mass, rejected, accepted = 0.0, [], None
-        for tok, child in tree.children[v].items():
-            if rng.random() * max(1.0 - mass, 1e-12) < p_own[child]:
-                accepted = child
-                break
-            rejected.append(tok)
-            mass += p_own[child]
-        if accepted is None:  # all rejected: sample the residual and stop here
-            residual = probs[v].clone()
-            residual[rejected] = 0
-            if residual.sum() <= 0:  # only rounding can leave nothing: fall back to p itself
-                residual = probs[v]
-            return path, torch.multinomial(residual, 1, generator=gen).item()
-        path.append(accepted)
-        v = accepted
-    return path, torch.multinomial(probs[v], 1, generator=gen).item()
-
-
 @dataclass
 class Verified:
-    """What one row's step did, for the draft sources, the policy and the loop: the trie run and
-    w window columns, the token at every row read (read: the trie's nodes, then the newest window
-    level's) and the model's prediction after each (pred; top: its best tokens there, if a source
-    asked), the accepted nodes (path), the tokens committed, and the cache slots (after C)
-    holding the committed K/V."""
+    """What one row's step did, for the draft sources, the policy and --explain."""
     tree: Tree
-    w: int
-    read: list[int]
-    pred: list[int]
-    top: list[list[int]] | None
-    path: list[int]
+    w: int  # window columns run
+    read: list[int]  # the token at every position read: the trie's nodes, the newest window level
+    pred: list[int]  # the model's next token after each
+    rankings: list[list[int]] | None  # its best tokens after each, if a draft source reads them
+    path: list[int]  # the accepted nodes
     committed: list[int]
-    slots: list[int]
+    slots: list[int]  # the cache slots holding the committed tokens' K/V (`last`'s first)
+    shape: Shape = None
+    window: list = None  # its levels as run
+    pooled: list = None  # the n-grams its columns completed
+
+    @property
+    def winner(self) -> int | None:  # the candidate whose guesses were accepted (the first through them)
+        return self.tree.origin[self.path[-1]] if self.path else None
 
 
 class Sequence:
-    """One prompt's lookahead state, a row of the batch: committed tokens, window, n-gram pool,
-    draft sources. The loop asks every row to propose, runs one forward for all, and hands each
-    row what verification decided (advance)."""
+    """One row's state: committed tokens, window, pool, draft sources."""
 
-    def __init__(self, prompt_ids, max_new_tokens, N, pool_cap, sampling, seed, stop, dev, output_ngrams, drafts):
-        self.prompt, self.max_new, self.stop, self.N = list(prompt_ids), max_new_tokens, stop, N
+    def __init__(self, prompt_ids, max_new_tokens, policy, sampling, seed, stop, dev, output_ngrams, drafts):
+        self.prompt, self.max_new, self.stop, self.N = list(prompt_ids), max_new_tokens, stop, policy.N
         self.sampling, self.output_ngrams = sampling, output_ngrams
         self.C = len(prompt_ids)  # committed slots: `last` (tokens[-1]) sits at slot and position C
         self.tokens = []
         self.out = Generation(self.tokens, 0, 0.0)  # the same list: its tokens grow with commit
-        # Window: up to N-1 levels of columns; a column's level 0 starts as a random prompt token
-        # (any guess converges; seeded, so runs repeat). Verification does not wait for it to fill.
-        self.window = []
+        self.window = []  # up to N-1 levels; a new column starts from a random prompt token (seeded)
         self.window_rng, self.rng = random.Random(seed), random.Random(seed + 1)
         self.gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
-        # Pool: seeded with the prompt's own n-grams, which pays off whenever the answer copies
-        # (commit adds the n-grams of the committed text as it grows).
-        self.pool = NGramPool(pool_cap)
-        for i in range(len(self.prompt) - N + 1):
-            self.pool.add(self.prompt[i:i + N], self.prompt[i - 1] if i else None)
-        self.sources = drafts(self) if drafts else [self.pool, JacobiGuess()]  # the paper's two sources
-        self.room = 0  # the most guesses the next step may hold (the policy's room, set before it proposes)
+        # The pool starts with the prompt's n-grams: answers copy their prompt.
+        self.pool = NGramPool(policy.pool_cap)
+        for i in range(len(self.prompt) - self.N + 1):
+            self.pool.add(self.prompt[i:i + self.N], self.prompt[i - 1] if i else None)
+        self.sources = drafts(self) if drafts else [self.pool, JacobiGuess()]
+        self.worth_guessing = 0  # guesses the coming steps are expected to hold (set before each step)
 
     @property
     def done(self) -> bool:
         return len(self.tokens) >= self.max_new or bool(self.tokens) and self.tokens[-1] in self.stop
 
+    def propose(self) -> list[Candidate]:
+        """Every draft source's candidates in the sources' order, none past max_new_tokens."""
+        k = self.max_new - len(self.tokens) - 1
+        if k <= 0:
+            return []
+        return [replace(c, tokens=tuple(c.tokens[:k])) for s in self.sources for c in s.propose(self, k) if c.tokens]
+
+    def inputs(self, tree: Tree, w: int, size: int):
+        """step_inputs with w window columns (a new one starts from a random prompt token)."""
+        if w:
+            fresh = lambda n: [self.window_rng.choice(self.prompt) for _ in range(n)]
+            self.window = [level[:w] + fresh(w - len(level)) for level in self.window] or [fresh(w)]
+        return step_inputs(tree, self.window, w, size)
+
+    def advance(self, tree: Tree, w: int, pred: list[int], rankings, path: list[int], bonus: int,
+                shape: Shape) -> Verified:
+        """6 and 7, once verification accepted `path` and `bonus`; the K/V to keep (8) are in
+        `slots`: `last`'s, then each accepted node i's, in slot C + i."""
+        slots = [self.C] + [self.C + v for v in path]
+        self.C += len(slots)
+        window = [level[:w] for level in self.window] if w else []
+        read = tree.tokens + (window[-1] if w else [])
+        # 6. The window moves on before the commit pools the committed text's n-grams.
+        pooled = self.update_window(tree.tokens[0], pred[len(tree):len(tree) + w])
+        # 7. Commit, stopping exactly where greedy would; then every draft source sees the step.
+        committed = self.commit([tree.tokens[v] for v in path] + [bonus])
+        step = Verified(tree, w, read, pred, rankings, path, committed, slots, shape, window, pooled)
+        for source in self.sources:
+            source.observe(self, step)
+        self.out.steps += 1
+        self.out.committed.append(len(committed))
+        self.out.shapes.append(shape)
+        return step
+
+    def update_window(self, last: int, new_level: list[int]) -> list[list[int]]:
+        """6. One Jacobi iteration: the newest level's predictions are a new level; once the
+        window is full, each column plus its prediction is an n-gram for the pool (returned), and
+        the oldest level drops out. Positions stay relative to `last` (not realigned after a
+        multi-token step: acceptance pays, never exactness)."""
+        window, pooled = self.window, []
+        if not new_level:
+            return pooled  # no window this step
+        if len(window) == self.N - 1:
+            for j in range(len(new_level)):
+                # column j's trajectory continues level 0 after its column j-1 (or `last`)
+                pooled.append([level[j] for level in window] + [new_level[j]])
+                self.pool.add(pooled[-1], window[0][j - 1] if j else last, from_window=True)
+            window.pop(0)
+        window.append(new_level)
+        return pooled
+
     def commit(self, new_tokens) -> list[int]:
-        """Append committed tokens, cut exactly where greedy would stop (a stop id, or
-        max_new_tokens), and pool the n-grams that end in them; return what was kept."""
+        """7. Append tokens, cut where greedy stops (a stop id, max_new_tokens); pool the n-grams
+        ending in them. Returns what was kept."""
         new_tokens = new_tokens[:self.max_new - len(self.tokens)]
         new_tokens = new_tokens[:next((i + 1 for i, t in enumerate(new_tokens) if t in self.stop), None)]
         self.tokens += new_tokens
@@ -377,188 +386,58 @@ class Sequence:
                 self.pool.add(text[end - N:end], text[end - N - 1] if end > N else None)
         return new_tokens
 
-    def propose(self) -> list[Candidate]:
-        """1. Propose: every draft source's continuations of `last`, in the sources' order (the
-        pool's, then the Jacobi guess). None need guess past max_new_tokens; how far short of it
-        a chain stops is its source's choice (a pooled n-gram's rest is N-1 guesses, token
-        recycling's up to 6), how many of its guesses are worth a step the policy's."""
-        k = self.max_new - len(self.tokens) - 1
-        if k <= 0:
-            return []
-        return [replace(c, tokens=tuple(c.tokens[:k])) for s in self.sources for c in s.propose(self, k) if c.tokens]
 
-    def inputs(self, tree: Tree, w: int, size: int):
-        """The row's part of the step, padded to `size` (step_inputs), with w window columns: a
-        new column starts from a random prompt token; a narrowed window loses its rightmost ones."""
-        if w:
-            fresh = lambda n: [self.window_rng.choice(self.prompt) for _ in range(n)]
-            self.window = [level[:w] + fresh(w - len(level)) for level in self.window] or [fresh(w)]
-        return step_inputs(tree, self.window, w, size)
-
-    def advance(self, tree: Tree, w: int, pred: list[int], top, path: list[int], bonus: int, shape: Shape,
-                on_step=None) -> Verified:
-        """5 to 7 for this row, once verification accepted `path` and the `bonus` token."""
-        # 5. Roll back: `last` is in slot C; the accepted guesses' K/V move from their slots (node
-        #    i is in slot C + i) to C+1... as they are: same tokens, same positions, exactly the
-        #    committed context, so what a sequential run would have written. The rest of the
-        #    step's slots lie past the committed length: overwritten next step.
-        slots = [self.C] + [self.C + v for v in path]
-        self.C += len(slots)
-        # Before the window moves on: the tokens of the rows read, and the trace.
-        read = tree.tokens + (self.window[-1][:w] if w else [])
-        trace = on_step and self.trace(tree, w, shape, path)
-        self.jacobi_update(tree.tokens[0], pred[len(tree):len(tree) + w])
-        # 7. Commit, stopping exactly where greedy would: at a stop id, or at max_new_tokens;
-        #    then every draft source sees the step.
-        step = Verified(tree, w, read, pred, top, path, self.commit([tree.tokens[v] for v in path] + [bonus]), slots)
-        for source in self.sources:
-            source.observe(self, step)
-        on_step and on_step({**trace, "committed": step.committed})
-        self.out.steps += 1
-        self.out.committed.append(len(step.committed))
-        self.out.shapes.append(shape)
-        return step
-
-    def jacobi_update(self, last: int, new_level: list[int]):
-        """6. The window's Jacobi update: the newest level's predictions become a new level; once
-        the window is full, each column plus its prediction is an N-gram for the pool, and the
-        oldest level drops out. Its positions stay relative to `last`: after a multi-token step
-        the window is not realigned with the text (this costs acceptance, never exactness)."""
-        window = self.window
-        if not new_level:
-            return  # no window this step
-        if len(window) == self.N - 1:
-            for j in range(len(new_level)):
-                # column j's trajectory continues level 0 after its column j-1 (or `last`)
-                self.pool.add([level[j] for level in window] + [new_level[j]], window[0][j - 1] if j else last,
-                              from_window=True)
-            window.pop(0)
-        window.append(new_level)
-
-    def trace(self, tree, w, shape, path) -> dict:
-        """What a step did, for on_step (--trace)."""
-        accepted = [tree.tokens[v] for v in path]
-        winner = next((g for g, c in enumerate(tree.candidates) if list(c.tokens[:len(accepted)]) == accepted), 0)
-        return dict(step=self.out.steps, shape=shape, last=tree.tokens[0],
-                    window=[level[:w] for level in self.window[:shape.levels]],
-                    candidates=[list(c.tokens) for c in tree.candidates],
-                    sources=[c.source for c in tree.candidates], winner=winner, accepted=len(path))
-
-
-def verify(row: Sequence, tree: Tree, pred: list[int], logits) -> tuple[list[int], int]:
-    """4. Verify the guesses against the model's own choices (greedy: its argmax; sampling: a
-    rejection test that keeps plain sampling's distribution)."""
-    if row.sampling.greedy:
-        return verify_greedy(tree, pred)
-    return verify_sampled(tree, row.sampling.probs(logits[:len(tree)]), row.rng, row.gen)
-
-
-def pack_inputs(model, batch: list[Sequence], parts: list, T: int):
-    """The step's inputs for every row, built on the host and sent in ONE host-to-device copy
-    (five tensors a row would be five copies, each a sync point on a GPU): tokens (B, T),
-    positions (B, T), committed (B, 1), the in-step block mask (B, T, T), the span of committed
-    lengths (on the host) and the logits rows to read (B, R). Row b's step sits in slots C_b ..
-    C_b+T-1, after its committed ones, which all its tokens see: only the block is per token."""
-    dev, B = model.device, len(batch)
-    R = max(len(read) for *_, read in parts)
-    packed = torch.cat([torch.cat((seq, offsets, block.flatten(), torch.tensor(read + read[:1] * (R - len(read))),
-                                   torch.tensor([row.C]))) for row, (seq, offsets, block, read) in zip(batch, parts)]
-                       ).to(dev).view(B, -1)
-    tokens, offsets, block, read, C = packed.split((T, T, T * T, R, 1), dim=1)
-    span = min(row.C for row in batch), max(row.C for row in batch)
-    return tokens, C + offsets, C, block.reshape(B, T, T).bool(), span, read
-
-
-def lookahead_step(model, policy, batch: list[Sequence], on_step=None):
-    """One forward for every row: propose, plan, inputs, forward, verify, advance, roll back."""
+def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
+    """One forward for every row: the eight parts of the module docstring."""
     start = time.perf_counter()
-    budget = min(policy.largest, *(step_room(model, row.C) for row in batch))
-    room = min(budget, policy.room(len(batch))) - 1  # guesses: all of the step but `last`
-    for j, row in enumerate(batch):
-        switch_rope(model, j, row.C, row.prompt + row.tokens)
-        row.room = room
-    # 1. Every row proposes its candidates (Sequence.propose), merged into a trie.
-    trees = [Tree(row.tokens[-1], row.propose()) for row in batch]
-    # 2. The policy shapes the step: which guesses and how many window columns each row runs,
-    #    padded to one size T of the menu (FixedShape: the paper's; DynamicShape: measured).
-    plans = policy.plan(batch, trees, budget)
-    T = max(shape.size for _, _, shape in plans)
-    # 3. One forward over every row's [tree | window | padding] under the combined mask.
-    parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(batch, plans)]
-    logits = model.step(*pack_inputs(model, batch, parts, T))  # (B, R, V)
-    k = max((s.top_k for row in batch for s in row.sources if s.top_k and s.wants_rankings(row.room)), default=0)
-    if k:  # the argmax and the top-k, in one host sync
-        best = torch.cat((logits.argmax(-1, keepdim=True), logits.topk(k, dim=-1).indices), dim=-1).tolist()
-        pred, top = [[r[0] for r in rows] for rows in best], [[r[1:] for r in rows] for rows in best]
-    else:
-        pred, top = logits.argmax(-1).tolist(), [None] * len(batch)  # the one host sync per greedy step
-    # 4 to 7. Every row verifies its guesses and advances; then the cache keeps what each committed.
-    steps = [row.advance(tree, w, pred[j], top[j], *verify(row, tree, pred[j], logits[j]), shape,
-                         on_step and (lambda s, j=j: on_step(j, s)))
-             for j, (row, (tree, w, shape)) in enumerate(zip(batch, plans))]
-    model.rollback([step.slots for step in steps])
-    policy.observe(batch, steps, T, time.perf_counter() - start)
-
-
-def start_rows(model, rows: list[Sequence], sampling: Sampling, room: int, start: float, on_tokens=None):
-    """Prefill every row's prompt and commit its first token; the draft sources that want the
-    model's top-k after every prompt token before steps of `room` guesses see it."""
-    readers = [[s for s in row.sources if s.top_k and s.wants_rankings(room)] for row in rows]
-    k = max((s.top_k for sources in readers for s in sources), default=0)
-    prompts = [row.prompt for row in rows]
-    logits, tops = prefill(model, prompts, k) if k else (prefill(model, prompts), None)
-    first = sampling.pick(logits, [row.gen for row in rows])[:, 0].tolist()
-    for b, row in enumerate(rows):
-        for source in readers[b]:
-            source.observe_prefill(row, tops[b])
-        row.out.prefill_seconds = time.perf_counter() - start
-        kept = row.commit(first[b:b + 1])
-        on_tokens and on_tokens(b, kept)
-
-
-@torch.inference_mode()
-def lookahead_decode(model, prompt_ids, max_new_tokens, *, window=None, ngram=None, candidates=None, stop_ids=(),
-                     seed=0, temperature=0.0, top_k=0, top_p=1.0, output_ngrams=True, drafts=None, costs=None,
-                     on_tokens=None, on_step=None) -> Generation:
-    """Several tokens per forward: greedy_decode's tokens (sampling with temperature/top_k/top_p:
-    sample_decode's distribution). window W, ngram N (default 5), candidates G: that fixed shape
-    every step (the paper's); neither W nor G: the dynamic shape, chosen per step from the
-    acceptance seen and the step costs measured (`costs` replaces them; with measured costs a
-    seed's sampled tokens depend on timing). output_ngrams: pool the committed text's n-grams too
-    (the prompt's always). drafts(seq) -> the row's DraftSources (default: the pool, the Jacobi
-    guess). on_tokens(new ids) as tokens are committed; on_step(dict) after each step (--trace)."""
-    return lookahead_decode_batch(model, [prompt_ids], max_new_tokens, window=window, ngram=ngram,
-                                  candidates=candidates, stop_ids=stop_ids, seed=seed, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, output_ngrams=output_ngrams, drafts=drafts, costs=costs,
-                                  on_tokens=per_row(on_tokens), on_step=on_step and (lambda _, s: on_step(s)))[0]
+    limit = before_step(model, policy, rows)  # the most tokens a step may hold: cache and policy
+    # 1. Propose: every source's candidates (the pool's n-grams that start with `last`, the
+    #    Jacobi guess), merged into the trie.
+    trees = [Tree(row.tokens[-1], row.propose()) for row in rows]
+    # 2. Plan: the policy picks the guesses and window columns each row runs, padded to one size
+    #    T of a small menu (1, 2, 4, ... tokens): the paper's W, N, G (FixedShape) or measured.
+    plans = policy.plan(rows, trees, limit)
+    T = max(shape.size for *_, shape in plans)
+    # 3. Inputs: each row's [trie | window | padding], every token at its own position, under one
+    #    mask that gives it exactly its trajectory's context.
+    parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(rows, plans)]
+    # 4. Forward: one model call; the logits of the positions read only.
+    logits = model.step(*pack_inputs(model, rows, parts, T))  # (B, R, V)
+    pred, rankings = predictions(logits, rows)  # the one host sync of a greedy step
+    # 5 to 7. Verify: the longest chain the model agrees with, plus its next token; then the
+    #    window's update and the commit (Sequence.advance).
+    steps = [row.advance(tree, w, pred[j], rankings[j], *verify(row, tree, pred[j], logits[j]), shape)
+             for j, (row, (tree, w, shape)) in enumerate(zip(rows, plans))]
+    # 8. Roll back: the step wrote K/V for all T tokens; the accepted ones' are exactly what a
+    #    one-token-at-a-time run writes (same tokens, positions, context), so they move down next
+    #    to `last`, and the rest, past the committed length, is overwritten by the next step.
+    model.cache.rollback([step.slots for step in steps])
+    policy.observe(rows, steps, T, time.perf_counter() - start)
+    for j, step in enumerate(steps):
+        on_step and on_step(j, step)
 
 
 @torch.inference_mode()
 def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram=None, candidates=None, stop_ids=(),
                            seed=0, temperature=0.0, top_k=0, top_p=1.0, output_ngrams=True, drafts=None, costs=None,
                            on_tokens=None, on_step=None) -> list[Generation]:
-    """lookahead_decode for several prompts, one forward per step for all of them: row b is
-    exactly its own lookahead_decode (seed + b), with its own window, pool, shape and rollback.
-
-    The step of B rows is their steps side by side, each padded to the batch's size T:
-
-        row 0   [ last | guesses | window | padding ]   slots C0 .. C0+T-1 of cache row 0
-        row 1   [ last | guesses | window .......... ]   slots C1 .. C1+T-1 of cache row 1
-
-    A row's mask is its committed slots plus its own block: rows never see each other. A finished
-    row leaves the batch and the cache. on_tokens(row, new ids), on_step(row, dict)."""
+    """The decode loop: prefill, first token, steps until every row is done; each row's tokens are
+    greedy_decode's (sampling: sample_decode's distribution, row b seeded with seed + b). W, N, G
+    (window, ngram = 5, candidates): the paper's fixed shape; neither W nor G: the dynamic shape
+    (shape.py; `costs` fixes its step costs). output_ngrams: pool the committed text's n-grams.
+    drafts(seq) -> the row's draft sources (default: the pool, the Jacobi guess).
+    on_tokens(row, new ids), on_step(row, Verified). A finished row leaves the batch."""
     policy = shape_policy(model, window, ngram, candidates, costs)
     sampling = Sampling(temperature, top_k, top_p)
     start = time.perf_counter()
     limits = check_requests(model, prompts, max_new_tokens)
     longest = max(len(p) + m - 1 for p, m in zip(prompts, limits))
     ensure_cache(model, min(model.args.max_seq_len, longest + policy.largest), len(prompts))
-    rows = [Sequence(p, m, policy.N, policy.pool_cap, sampling, seed + b, set(stop_ids), model.device, output_ngrams,
-                     drafts) for b, (p, m) in enumerate(zip(prompts, limits))]
-
-    start_rows(model, rows, sampling, policy.room(len(rows)) - 1, start, on_tokens)
+    rows = [Sequence(p, m, policy, sampling, seed + b, set(stop_ids), model.device, output_ngrams, drafts)
+            for b, (p, m) in enumerate(zip(prompts, limits))]
+    start_rows(model, rows, sampling, policy.forecast(len(rows)) - 1, start, on_tokens)
     active = list(range(len(rows)))  # the rows still decoding, in the cache's row order
-    while True:  # finished rows leave the batch (and the cache)
+    while True:
         keep = drop_finished(model, active, lambda b: rows[b].done, [row.out for row in rows],
                              max(rows[b].C for b in active), start)
         if not keep:
@@ -567,6 +446,79 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram
         lookahead_step(model, policy, [rows[b] for b in active], on_step and (lambda j, s: on_step(active[j], s)))
         for b in active:
             on_tokens and on_tokens(b, rows[b].tokens[len(rows[b].tokens) - rows[b].out.committed[-1]:])
+
+
+@torch.inference_mode()
+def lookahead_decode(model, prompt_ids, max_new_tokens, *, on_tokens=None, on_step=None, **options) -> Generation:
+    """One prompt: lookahead_decode_batch's row 0, on_tokens(new ids) and on_step(Verified)."""
+    return lookahead_decode_batch(model, [prompt_ids], max_new_tokens, on_tokens=per_row(on_tokens),
+                                  on_step=on_step and (lambda _, s: on_step(s)), **options)[0]
+
+
+def shape_policy(model, window, ngram, candidates, costs):
+    """The paper's fixed shape when window and candidates are given; neither: the dynamic one."""
+    N = 5 if ngram is None else ngram
+    if N < 2:
+        raise ValueError(f"need ngram >= 2 (got {N})")
+    if window is None and candidates is None:
+        return DynamicShape(N, model, costs)
+    if window is None or candidates is None:
+        raise ValueError("a fixed shape needs both window and candidates (neither: the dynamic shape)")
+    return FixedShape(window, N, candidates)
+
+
+# ---------------------------------------------------------------------------------------------
+# Beyond the paper: batches, sampling, the dynamic policy's forecast. A batch's step is its rows'
+# side by side, row b in slots C_b .. C_b+T-1 of its cache row; rows never see each other:
+#     row 0   [ last | guesses | window | padding ]
+#     row 1   [ last | guesses | window .......... ]
+# ---------------------------------------------------------------------------------------------
+
+def before_step(model, policy, rows: list[Sequence]) -> int:
+    """The most tokens this step may hold (the cache's free slots, the policy's largest size),
+    and every row told how many guesses the coming steps are expected to hold (worth_guessing,
+    for sources whose guesses cost to make); longrope's switch runs here (decoding.switch_rope)."""
+    limit = min(policy.largest, *(step_limit(model, row.C) for row in rows))
+    worth_guessing = min(limit, policy.forecast(len(rows))) - 1  # all of a step but `last`
+    for j, row in enumerate(rows):
+        switch_rope(model, j, row.C, row.prompt + row.tokens)
+        row.worth_guessing = worth_guessing
+    return limit
+
+
+def pack_inputs(model, rows: list[Sequence], parts: list, T: int):
+    """The step's inputs, built on the host and sent in ONE host-to-device copy (one a tensor
+    would be a sync point each on a GPU): tokens (B, T), positions (B, T), committed (B, 1), the
+    in-step mask (B, T, T), the span of committed lengths (host) and the positions read (B, R)."""
+    dev, B = model.device, len(rows)
+    R = max(len(read) for *_, read in parts)
+    packed = torch.cat([torch.cat((tokens, offsets, block.flatten(), torch.tensor(read + read[:1] * (R - len(read))),
+                                   torch.tensor([row.C]))) for row, (tokens, offsets, block, read) in zip(rows, parts)]
+                       ).to(dev).view(B, -1)
+    tokens, offsets, block, read, C = packed.split((T, T, T * T, R, 1), dim=1)
+    span = min(row.C for row in rows), max(row.C for row in rows)
+    return tokens, C + offsets, C, block.reshape(B, T, T).bool(), span, read
+
+
+def verify(row: Sequence, tree: Tree, pred: list[int], logits) -> tuple[list[int], int]:
+    """5. Verify the guesses against the model's own choices (greedy: its argmax; sampling: a
+    rejection test that keeps plain sampling's distribution, sampling.verify_sampled)."""
+    if row.sampling.greedy:
+        return verify_greedy(tree, pred)
+    return verify_sampled(tree, row.sampling.probs(logits[:len(tree)]), row.rng, row.gen)
+
+
+def start_rows(model, rows: list[Sequence], sampling: Sampling, worth_guessing: int, start: float, on_tokens=None):
+    """Prefill every row's prompt (draft sources that read rankings see the prompt's) and commit
+    its first token."""
+    for row in rows:
+        row.worth_guessing = worth_guessing
+    logits = prefill_with_rankings(model, rows)
+    first = sampling.pick(logits, [row.gen for row in rows])[:, 0].tolist()
+    for b, row in enumerate(rows):
+        row.out.prefill_seconds = time.perf_counter() - start
+        kept = row.commit(first[b:b + 1])
+        on_tokens and on_tokens(b, kept)
 
 
 if __name__ == "__main__":  # the command line lives in cli.py; `python lookahead.py --prompt ...` runs it

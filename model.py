@@ -20,14 +20,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import attention_with_lse, math_attention, merge
+from attention import attention_with_lse, math_attention, merge, step_masks
+from cache import KVCache
 from checkpoint import hf_model_args, read_config, read_weights
 from linear import Linear, tune_cpu_products
 
 
 # The step sizes a decoder runs after the prefill: a step of n tokens is padded to the next one
 # (step_size), so there are few shapes: one cost estimate per shape for the dynamic lookahead
-# shape, one compiled graph per shape (Transformer.compile_steps).
+# shape, one compiled graph per shape (CompiledStep).
 STEP_SIZES = tuple(1 << i for i in range(8))  # 1, 2, 4, ..., 128
 COMPILED_CACHE = 4096  # a compiled model's cache slots unless asked otherwise (or its context, if shorter)
 
@@ -145,9 +146,9 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset)
-        # (B, n_kv_heads, cache_len, head_dim) each, see Transformer.setup_cache. Buffers, written
-        # in place by index (as gpt-fast does): a compiled step then updates them where they are
-        # (an index_copy_ into a view of one shared tensor made inductor copy the whole cache).
+        # (B, n_kv_heads, slots, head_dim) each, set up by cache.KVCache. Buffers, written in place
+        # by index (as gpt-fast does): a compiled step then updates them where they are (an
+        # index_copy_ into a view of one shared tensor made inductor copy the whole cache).
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
@@ -157,7 +158,7 @@ class Attention(nn.Module):
         one-token step: its slot is read with the committed ones). prefix: None, or (start, end,
         mask): the cache slots [start, end) they also see, under an additive (B, 1, 1, S) mask
         (one entry a row and slot) or None, or in a sliding layer a bool (B, 1, 1, T, S) band
-        (Transformer.keys builds them). rows: this call's rows of the cache (a slice)."""
+        (attention.step_masks builds them). rows: this call's rows of the cache (a slice)."""
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         g = H // Hkv  # grouped-query attention: K/V head j serves query heads j*g .. (j+1)*g - 1
@@ -238,98 +239,26 @@ class Block(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Transformer(nn.Module):
-    # Module names follow the Hugging Face checkpoint, less its "model." prefix, except for the
-    # stacked qkv_proj and gate_up_proj (checkpoint.fused_from maps those).
+class Rope(nn.Module):
+    """RoPE's cos and sin at any positions, from frequencies kept in float32 even in a bf16 model
+    (positions in the thousands need the precision); Gemma 3's sliding layers and longrope's long
+    factors have tables of their own."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.lm_head = Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.slides = [i in args.sliding_layers for i in range(args.n_layers)] if args.sliding_window else []
-        # RoPE's frequencies in float32 even in a bf16 model (positions in the thousands need the
-        # precision); Gemma 3's sliding layers and longrope's long factors have tables of their own.
         longrope = bool(args.rope_scaling) and args.rope_scaling["rope_type"] == "longrope"
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.register_buffer("local_inv_freq", rope_inv_freq(args, local=True) if args.local_rope_theta else None,
                              persistent=False)
         self.register_buffer("long_inv_freq", rope_inv_freq(args, long=True) if longrope else None, persistent=False)
-        # Gemma's embedding scale as a float32 tensor, rounded to the model's dtype as Gemma does.
-        self.register_buffer("embed_scale", torch.tensor(args.embed_scale, device="cpu"), persistent=False)
-        self.compiled_step = None  # see compile_steps
-        self.compiled_sizes = ()
-        self.cache_len = 0  # slots in the KV cache; 0 = none set up (the decoders track what is committed)
 
-    @property
-    def device(self):
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self):
-        return self.embed_tokens.weight.dtype
-
-    def setup_cache(self, max_seq_len: int, batch: int = 1, spare=False):
-        """Allocate the static KV cache once, (B, n_kv_heads, max_seq_len, head_dim) for each
-        layer's K and V, a row per sequence; every decode step writes into it in place."""
-        if max_seq_len > self.args.max_seq_len + spare:
-            raise ValueError(f"cache of {max_seq_len} exceeds the model's context of {self.args.max_seq_len}")
-        if self.compiled_step is not None:
-            raise ValueError("a compiled model keeps the cache it was compiled with")
-        a = self.args
-        for layer in self.layers:
-            attn = layer.self_attn
-            attn.k_cache, attn.v_cache = (torch.zeros(batch, a.n_kv_heads, max_seq_len, a.head_dim,
-                                                      dtype=self.dtype, device=self.device) for _ in "kv")
-        self.cache_len = max_seq_len
-
-    @property
-    def cache_rows(self) -> int:
-        return self.layers[0].self_attn.k_cache.shape[0] if self.cache_len else 0
-
-    def keep_rows(self, rows: list[int], used: int):
-        """Keep only these rows of the cache, in this order (a batch whose other sequences
-        finished), so that finished rows cost nothing after: their slots [0, used) are moved up
-        in place, once, and the cache becomes a view of its first len(rows) rows."""
-        index, n = torch.tensor(rows, device=self.device), len(rows)
-        for layer in self.layers:
-            attn = layer.self_attn
-            for cache in (attn.k_cache, attn.v_cache):
-                cache[:n, :, :used] = cache[index, :, :used]  # gathered first, then written
-            attn.k_cache, attn.v_cache = attn.k_cache[:n], attn.v_cache[:n]
-
-    def kv(self) -> torch.Tensor:
-        """Every layer's K and V stacked, (n_layers, 2, B, n_kv_heads, cache_len, head_dim): a copy,
-        to inspect the cache."""
-        return torch.stack([torch.stack((l.self_attn.k_cache, l.self_attn.v_cache)) for l in self.layers])
-
-    def rollback(self, moves: list[list[int]]):
-        """Row b's accepted tokens have their K/V in slots moves[b], in order: move them to follow
-        one another from slot moves[b][0], in one gather and scatter per layer for all rows.
-
-        A step writes all its tokens' K/V after a row's committed slots; whatever it wrote and
-        did not keep stays past the new committed length, overwritten by the next step: that is
-        the rollback. Rows with fewer moves repeat their last one (a no-op)."""
-        if all(m == list(range(m[0], m[0] + len(m))) for m in moves):
-            return  # already in place
-        n = max(map(len, moves))
-        src = [m + m[-1:] * (n - len(m)) for m in moves]
-        dst = [list(range(m[0], m[0] + len(m))) + [m[0] + len(m) - 1] * (n - len(m)) for m in moves]
-        src, dst = torch.tensor([src, dst], device=self.device)  # (B, n) each
-        rows = torch.arange(len(moves), device=self.device)[:, None]
-        for layer in self.layers:
-            for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
-                cache[rows, :, dst] = cache[rows, :, src]  # gathered first, then written: overlaps are safe
-
-    def rope(self, positions, local=False, last=None):
+    def forward(self, positions, dtype, local=False, last=None):
         """cos and sin at these positions (T,) or (B, T): (T, 1, d) or (B, T, 1, d), rotate_half's
         sign in sin (apply_rope); once per forward for the layers of a kind (local: Gemma 3's sliding
         ones), in float32 at least. last: (B, 1), the last position of the prompt these positions
         belong to (a prefill, in one call or in chunks); None: decoded tokens, each by its own."""
-        wide = torch.promote_types(self.dtype, torch.float32)
+        wide = torch.promote_types(dtype, torch.float32)
         inv_freq = self.local_inv_freq if local else self.inv_freq
         s = self.args.rope_scaling
         if self.long_inv_freq is not None and not local:
@@ -343,9 +272,37 @@ class Transformer(nn.Module):
         if s and "attention_factor" in s and not local:  # longrope scales q.k through cos and sin
             cos, sin = cos * s["attention_factor"], sin * s["attention_factor"]
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        return cos[..., None, :].to(self.dtype), sin[..., None, :].to(self.dtype)
+        return cos[..., None, :].to(dtype), sin[..., None, :].to(dtype)
 
-    def forward(self, tokens, positions=None, committed=None, block=None, span=None, rows=None, cache_row=None,
+
+class Transformer(nn.Module):
+    # Module names follow the Hugging Face checkpoint, less its "model." prefix, except for the
+    # stacked qkv_proj and gate_up_proj (checkpoint.fused_from maps those).
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.lm_head = Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.slides = [i in args.sliding_layers for i in range(args.n_layers)] if args.sliding_window else []
+        self.rope = Rope(args)
+        # Gemma's embedding scale as a float32 tensor, rounded to the model's dtype as Gemma does.
+        self.register_buffer("embed_scale", torch.tensor(args.embed_scale, device="cpu"), persistent=False)
+        self.cache = KVCache((layer.self_attn for layer in self.layers), args)
+        self.compiled = None  # a CompiledStep, see compile_steps
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    def forward(self, tokens, positions=None, committed=None, block=None, span=None, read=None, cache_row=None,
                 prompt_end=None, check=True, head=True):
         """tokens (B, T) -> logits (B, T, vocab).
 
@@ -357,9 +314,9 @@ class Transformer(nn.Module):
         of one after the chunks before it) or where block[b, t, u] is True (B, T, T): a decoding
         step's tree and window, any shape of them.
         span: (least, most) of committed, known on the host: the cache slots read (default: read
-        from committed, a host sync; a compiled step passes a bucket, step()).
-        rows: compute logits only for these token indices, (R,) or per row (B, R) (the LM head is
-        a large part of a small model's step, and lookahead reads few of the rows).
+        from committed, a host sync; a compiled step passes a bucket).
+        read: compute logits only at these token indices, (R,) or per row (B, R) (the LM head is
+        a large part of a small model's step, and lookahead reads few of the positions).
         cache_row: this call's one sequence is row cache_row of the cache (a prefill of a batch).
         prompt_end: the last position of the prompt a chunk belongs to (longrope's factors follow it).
         check: raise if a position reaches the model's context (one host sync; step() skips it).
@@ -370,19 +327,19 @@ class Transformer(nn.Module):
         positions = (torch.arange(T, device=dev) if positions is None else positions).expand(B, T)
         if check and not torch.compiler.is_compiling() and int(positions.max()) >= self.args.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past the model's context of {self.args.max_seq_len}")
-        slots, cache, lo, hi = None, None, 0, 0
+        slots, rows, lo, hi = None, None, 0, 0
         if committed is not None:
             slots = committed + torch.arange(T, device=dev)  # (B, T)
             lo, hi = span if span is not None else (int(committed.min()), int(committed.max()))
-            cache = slice(0, B) if cache_row is None else slice(cache_row, cache_row + 1)
+            rows = slice(0, B) if cache_row is None else slice(cache_row, cache_row + 1)
         full, local = self.layer_inputs(positions, committed, block, lo, hi, prompt_end)
         x = self.embed_tokens(tokens)  # (B, T, dim)
         if self.args.embed_scale != 1.0:
             x = x * self.embed_scale.to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, *(local if self.slides and self.slides[i] else full), slots, cache)
-        if rows is not None:
-            x = x[:, rows] if rows.dim() == 1 else x[torch.arange(B, device=dev)[:, None], rows]
+            x = layer(x, *(local if self.slides and self.slides[i] else full), slots, rows)
+        if read is not None:
+            x = x[:, read] if read.dim() == 1 else x[torch.arange(B, device=dev)[:, None], read]
         return self.lm_head(self.norm(x)) if head else self.norm(x)
 
     def layer_inputs(self, positions, committed, block, lo, hi, prompt_end):
@@ -392,99 +349,25 @@ class Transformer(nn.Module):
         if block is None:  # a prompt: longrope takes one set of factors for all of it
             last = (positions.amax(-1, keepdim=True) if prompt_end is None
                     else positions.new_full((positions.shape[0], 1), prompt_end))  # (B, 1)
-        full = (*self.rope(positions, last=last), *self.keys(positions, committed, block, lo, hi))
+        full = (*self.rope(positions, self.dtype, last=last), *step_masks(positions, committed, block, lo, hi, self.dtype))
         if not self.slides:
             return full, full
-        local = (*(self.rope(positions, local=True) if self.local_inv_freq is not None else full[:2]),
-                 *self.keys(positions, committed, block, lo, hi, self.args.sliding_window))
+        local = (*(self.rope(positions, self.dtype, local=True) if self.rope.local_inv_freq is not None else full[:2]),
+                 *step_masks(positions, committed, block, lo, hi, self.dtype, self.args.sliding_window))
         return full, local
 
-    def keys(self, positions, committed, block, lo, hi, window=None):
-        """What this call's tokens attend to in the layers of one kind (window: a sliding layer's
-        width), as (own, prefix) for Attention: built once a forward, shared by those layers.
-
-        The committed prefix is one mask entry per row and slot, (B, 1, 1, S), whatever T and the
-        heads (none at all when every row sees every slot read); only this call's own T x T, and
-        a sliding layer's band (keys at q_pos - window < p <= q_pos), are per token."""
-        B, T = positions.shape
-        own = None  # causal
-        if block is not None or (window and T > window):
-            keep = torch.ones(B, T, T, dtype=torch.bool, device=positions.device).tril() if block is None else block
-            if window:
-                keep = keep & (positions[:, :, None] - positions[:, None, :] < window)
-            own = self.additive(keep)[:, None]  # (B, 1, T, T)
-        if committed is None or hi == 0:
-            return own, None
-        end = hi
-        if block is not None and T == 1 and lo == hi:  # one token a row, every row as long: its own
-            own, end = False, hi + 1  # slot read with the committed ones, one fused call and no mask
-            committed = committed + 1
-        start = max(0, lo - window + 1) if window else 0
-        slot = torch.arange(start, end, device=positions.device)
-        seen = slot < committed  # (B, S): each row's committed slots
-        if window:
-            band = seen[:, None, :] & (positions[:, :, None] - slot < window)  # (B, T, S)
-            return own, (start, end, band[:, None, None])
-        return own, (start, end, None if lo == hi else self.additive(seen)[:, None, None])  # (B, 1, 1, S)
-
-    def additive(self, keep):
-        """A boolean mask as attention's additive one: 0 where kept, -inf elsewhere."""
-        return torch.zeros(keep.shape, dtype=self.dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-
-    def step(self, tokens, positions, committed, block, span, rows=None):
+    def step(self, tokens, positions, committed, block, span, read=None):
         """One decoding step of B rows: forward(tokens (B, T), positions (B, T), committed (B, 1),
-        block (B, T, T), span) -> logits (B, R, V) for rows (B, R).
-
-        Compiled (compile_steps), a step of a compiled size replays its graph, which reads the
-        cache up to a bucket of the committed length (cache_bucket: few widths, so few graphs)
-        and computes every token's logits (a fixed shape); `rows` are picked from them after.
-        Anything else runs eagerly."""
-        T = tokens.shape[1]
-        if self.compiled_step is not None and T in self.compiled_sizes:
-            # A graph is specialised on its inputs' strides too, and on which of them are one
-            # tensor: fresh contiguous copies, as at the warm-up (a few small copies a step).
-            inputs = [t.clone(memory_format=torch.contiguous_format) for t in (tokens, positions, committed, block)]
-            logits = self.compiled_step(*inputs, cache_bucket(span[1], self.cache_len))
-            return logits if rows is None else logits[torch.arange(len(rows), device=rows.device)[:, None], rows]
+        block (B, T, T), span) -> logits (B, R, V) at `read` (B, R). A compiled size replays its
+        graph (CompiledStep); anything else runs eagerly."""
+        if self.compiled is not None and tokens.shape[1] in self.compiled.sizes:
+            return self.compiled(tokens, positions, committed, block, span, read)
         # The decoders size every step to fit the cache (<= the context): no sync to check positions.
-        return self(tokens, positions, committed, block, span, rows=rows, check=False)
+        return self(tokens, positions, committed, block, span, read=read, check=False)
 
-    def bucketed_step(self, tokens, positions, committed, block, width):
-        """The compiled step's function: every logit, reading cache slots [0, width)."""
-        return self(tokens, positions, committed, block, (0, width), check=False)
-
-    @torch.inference_mode()
     def compile_steps(self, sizes, cache_len=None, log=None):
-        """Compile the step forward with torch.compile once per step size, now, so that no
-        request compiles later: on CUDA as CUDA graphs ("reduce-overhead": one replay instead of
-        ~1,100 kernel launches), on the CPU with inductor's C++ kernels.
-
-        A compiled step is one sequence of T tokens and computes all T rows of logits; the cache
-        is allocated once, here, with cache_len slots (default: COMPILED_CACHE, or the model's
-        context if shorter; a request that needs more is refused) and one row, and kept. The
-        width of cache it reads is a symbol of the graph (dynamic=True), so one graph a size
-        serves every bucket of the committed length (cache_bucket); CUDA records one replay per
-        bucket, the first time it comes up. Warmed up under inference_mode, as the decoders run:
-        a graph is specialised on it."""
-        slots = cache_len or min(COMPILED_CACHE, self.args.max_seq_len)
-        # One slot more than requests may use, never read: a read of [0, width) is then never the
-        # whole buffer, which the graph would otherwise be specialised on (a second graph).
-        self.setup_cache(slots + 1, spare=True)
-        self.cache_len = slots
-        mode = "reduce-overhead" if self.device.type == "cuda" else None
-        self.compiled_step = torch.compile(self.bucketed_step, fullgraph=True, dynamic=True, mode=mode)
-        width = cache_bucket(1, self.cache_len)
-        for T in sizes:
-            start = time.perf_counter()
-            idx = torch.arange(T, device=self.device)[None]  # (1, T)
-            block = torch.ones(1, T, T, dtype=torch.bool, device=self.device).tril()
-            # Positions and committed as distinct tensors, as the decoders pass them: a graph
-            # guarded on the two being one tensor would be compiled again at the first request.
-            for _ in range(3 if mode else 1):  # CUDA graphs record on the second or third call
-                self.compiled_step(torch.zeros(1, T, dtype=torch.long, device=self.device), 1 + idx,
-                                   torch.ones(1, 1, dtype=torch.long, device=self.device), block, width)
-            log and log(f"compiled the {T}-token step in {time.perf_counter() - start:.1f} s")
-        self.compiled_sizes = tuple(sizes)
+        """Compile the step for these sizes now (CompiledStep), over a cache of cache_len slots."""
+        self.compiled = CompiledStep(self, sizes, cache_len, log)
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None, compile=False, max_seq_len=None) -> "Transformer":
@@ -513,3 +396,52 @@ class Transformer(nn.Module):
         if compile:
             model.compile_steps(STEP_SIZES, max_seq_len, log=lambda line: print(line, file=sys.stderr, flush=True))
         return model
+
+
+class CompiledStep:
+    """The step forward compiled with torch.compile once per step size, at load, so that no
+    request compiles later: on CUDA as CUDA graphs ("reduce-overhead": one replay instead of
+    ~1,100 kernel launches), on the CPU with inductor's C++ kernels.
+
+    A compiled step is one sequence of T tokens and computes all T positions' logits; the cache
+    is allocated once, here, with cache_len slots (default: COMPILED_CACHE, or the model's
+    context if shorter; a request that needs more is refused) and one row, and kept. The width
+    of cache a step reads is a symbol of the graph (dynamic=True), rounded up to a bucket of the
+    committed length (cache_bucket), so one graph a size serves every bucket; CUDA records one
+    replay per bucket, the first time it comes up. Warmed up under inference_mode, as the
+    decoders run: a graph is specialised on it. The logits it returns are the graph's own
+    buffers, overwritten by the next replay: read them before the next step."""
+
+    @torch.inference_mode()
+    def __init__(self, model: Transformer, sizes, cache_len=None, log=None):
+        self.model, dev = model, model.device
+        slots = cache_len or min(COMPILED_CACHE, model.args.max_seq_len)
+        # One slot more than requests may use, never read: a read of [0, width) is then never the
+        # whole buffer, which the graph would otherwise be specialised on (a second graph).
+        model.cache.setup(slots + 1, spare=True)
+        model.cache.slots, model.cache.frozen = slots, True
+        mode = "reduce-overhead" if dev.type == "cuda" else None
+        self.step = torch.compile(self.bucketed_step, fullgraph=True, dynamic=True, mode=mode)
+        width = cache_bucket(1, slots)
+        for T in sizes:
+            start = time.perf_counter()
+            idx = torch.arange(T, device=dev)[None]  # (1, T)
+            block = torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()
+            # Positions and committed as distinct tensors, as the decoders pass them: a graph
+            # guarded on the two being one tensor would be compiled again at the first request.
+            for _ in range(3 if mode else 1):  # CUDA graphs record on the second or third call
+                self.step(torch.zeros(1, T, dtype=torch.long, device=dev), 1 + idx,
+                          torch.ones(1, 1, dtype=torch.long, device=dev), block, width)
+            log and log(f"compiled the {T}-token step in {time.perf_counter() - start:.1f} s")
+        self.sizes = tuple(sizes)
+
+    def bucketed_step(self, tokens, positions, committed, block, width):
+        """The compiled function: every position's logits, reading cache slots [0, width)."""
+        return self.model(tokens, positions, committed, block, (0, width), check=False)
+
+    def __call__(self, tokens, positions, committed, block, span, read=None):
+        # A graph is specialised on its inputs' strides too, and on which of them are one tensor:
+        # fresh contiguous copies, as at the warm-up (a few small copies a step).
+        inputs = [t.clone(memory_format=torch.contiguous_format) for t in (tokens, positions, committed, block)]
+        logits = self.step(*inputs, cache_bucket(span[1], self.model.cache.slots))
+        return logits if read is None else logits[torch.arange(len(read), device=read.device)[:, None], read]

@@ -24,25 +24,20 @@ token the model has not ranked yet ends its path.
 Two tokens of context pick better than one, as in the n-gram pool: the table also keeps the
 ranking after every PAIR of tokens seen (next2[(z, a)], `a` right after `z`), and a node of the
 tree reads the one after its parent and itself where that pair was seen, else the one after
-itself alone (Spec-Bench's first turns, 1 a category, 64 tokens, flat cost: 2.20 tokens per
-step against 2.15 with one token; three tokens: 2.13; mixing the two rankings: 2.14-2.16).
+itself alone.
 
 The table is fed by every row a step reads: the trie's nodes, accepted or not, and, for tokens it
 does not know yet, the window's newest level (a guessed context, so it never replaces a ranking
-seen after a trie node: 2.15 tokens per step against 2.12 when it does, one token of context);
-the prefill fills it first, from the model's ranking after every prompt token (the LM head over
-the prompt, once).
+seen after a trie node); the prefill fills it first, from the model's ranking after every prompt
+token (the LM head over the prompt, once).
 
-It runs where a step can hold its whole tree (the policy's room, from the measured step costs:
-on a GPU where wide steps cost what one token does, or at flat cost), and idles below that: no
-candidates, no rankings read. Where steps hold a few guesses (this CPU: 4 tokens cost 1.5-2x one,
-steps of 1-4 tokens), the pool's and the Jacobi guess's best few are as good (Spec-Bench, 42
-answers, 64 tokens, median of 3 runs: 1.31-1.34 tokens per step with it and without), and reading
-the rankings is not free: the top-k of every row read and the walk, ~1% of a step here, and the
-prefill's, the LM head over every prompt token, 20% of SmolLM2's prefill (2.20 tokens per step
-with them at flat cost, 2.04 without).
+It runs where a step can hold its whole tree (the policy's forecast, from the measured step
+costs: a GPU where wide steps cost what one token does, or flat cost), and idles below that: no
+candidates, no rankings read. Where steps hold a few guesses, the pool's and the Jacobi guess's
+best few are as good, and reading the rankings is not free. docs/PERFORMANCE.md has the figures
+that chose each of these.
 """
-from lookahead import Candidate, DraftSource, token_back
+from drafts import Candidate, DraftSource, token_back
 
 # Token Recycling's published 80-node template (Luo et al. 2024): each word a path of ranks from
 # `last`, "01" = the best token's second best; a line a depth, a path after its prefix.
@@ -60,8 +55,8 @@ class TokenRecycling(DraftSource):
 
     def __init__(self, seq=None, template=TEMPLATE):
         self.template = template  # rank paths, each after its prefix
-        self.top_k = 1 + max(max(path) for path in template)  # how many of the model's best it reads
-        self.next: dict[int, list[int]] = {}  # token -> the model's top_k after it, last time
+        self.rankings = 1 + max(max(path) for path in template)  # how many of the model's best it reads
+        self.next: dict[int, list[int]] = {}  # token -> the model's best after it, last time
         self.next2: dict[tuple, list[int]] = {}  # (token, token after it) -> the same after the pair
 
     def after(self, before, token) -> list[int]:
@@ -69,11 +64,11 @@ class TokenRecycling(DraftSource):
         ranked = self.next2.get((before, token))
         return self.next.get(token, []) if ranked is None else ranked
 
-    def wants_rankings(self, room):
-        return room >= len(self.template)  # where its whole tree can run: see the module docstring
+    def wants_rankings(self, worth_guessing):
+        return worth_guessing >= len(self.template)  # where its whole tree can run: see the module docstring
 
     def propose(self, seq, k):
-        if not self.wants_rankings(seq.room):
+        if not self.wants_rankings(seq.worth_guessing):
             return []  # it reads no rankings now, so it has none fresh to offer
         context = (token_back(seq, 2), seq.tokens[-1])  # the pair ending in `last`
         chains = {}  # rank path -> its tokens, or None where a token along it is unranked
@@ -95,12 +90,12 @@ class TokenRecycling(DraftSource):
                 self.next2[seq.prompt[i - 1], token] = best
 
     def observe(self, seq, step):
-        if not self.wants_rankings(seq.room):
+        if not self.wants_rankings(seq.worth_guessing):
             return
         tree, n = step.tree, len(step.tree)
         before_last = token_back(seq, len(step.committed) + 2)  # `last` came before what the step committed
-        for v, (token, best) in enumerate(zip(step.read[:n], step.top)):  # every guess, accepted or rejected
+        for v, (token, best) in enumerate(zip(step.read[:n], step.rankings)):  # every guess, accepted or rejected
             self.next[token] = best
             self.next2[before_last if v == 0 else tree.tokens[tree.parent[v]], token] = best
-        for token, best in zip(step.read[n:], step.top[n:]):  # the window's: where nothing else is known
+        for token, best in zip(step.read[n:], step.rankings[n:]):  # the window's: where nothing else is known
             self.next.setdefault(token, best)

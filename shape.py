@@ -1,10 +1,10 @@
-"""What each step runs: the policy behind lookahead decoding, apart from the algorithm.
+"""The dynamic shape: what each step runs, chosen per step, apart from the algorithm.
 
-A policy has three calls: room(B) -> the most tokens it expects a step of B rows to hold soon
-(room - 1 guesses: as far as a source whose guesses cost it to make need guess); plan(rows,
-trees, budget) -> for every row the trie of guesses to verify, the window columns to run and the
-step's Shape; observe(rows, steps, T, seconds) after the step.
-FixedShape is the paper's (W, N, G every step). DynamicShape chooses per step: lookahead decoding
+A policy has three calls: plan(rows, trees, limit) -> for every row the trie of guesses to
+verify, the window columns to run and the step's Shape, within `limit` tokens; observe(rows,
+steps, T, seconds) after the step; forecast(B) -> the step size it expects to run soon (draft
+sources whose guesses cost to make need guess no further). lookahead.FixedShape is the paper's
+(W, N, G every step). DynamicShape chooses per step: lookahead decoding
 verifies any guesses exactly, and what it should guess depends on what a step costs on this
 device and on how often guesses like these were right. choose_shape maximises the expected
 committed tokens per second from two online estimates: StepCosts (seconds per step size,
@@ -15,13 +15,12 @@ import math
 import statistics
 import weakref
 from collections import Counter, deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from model import STEP_SIZES, step_size
 
 # The dynamic shape's limits: window columns, pooled n-grams per key, tokens per step.
 MAX_WINDOW, MAX_CANDIDATES, MAX_STEP = 16, 16, STEP_SIZES[-1]
-POOL_MIN_PER_KEY = 8  # n-grams kept per key even where fewer are verified, so a small G picks from several
 
 
 @dataclass
@@ -35,49 +34,6 @@ class Shape:
     size: int
     expected: float = 0.0
     cost: float = 0.0
-
-
-def shape_policy(model, window, ngram, candidates, costs):
-    """The paper's fixed shape when window and candidates are given; neither: the dynamic one."""
-    N = 5 if ngram is None else ngram
-    if N < 2:
-        raise ValueError(f"need ngram >= 2 (got {N})")
-    if window is None and candidates is None:
-        return DynamicShape(N, model, costs)
-    if window is None or candidates is None:
-        raise ValueError("a fixed shape needs both window and candidates (neither: the dynamic shape)")
-    return FixedShape(window, N, candidates)
-
-
-class FixedShape:
-    """The paper's shape: every step the first G candidates, each padded to N-1 guesses with its
-    last token (a slot's cost, never exactness), and the whole window, W columns x N-1 levels.
-    Near the end of the cache the window sits out and the trie shrinks to what still fits."""
-
-    def __init__(self, W: int, N: int, G: int):
-        if W < 0 or G < 0:
-            raise ValueError(f"need window >= 0 and candidates >= 0 (got {W}, {G})")
-        self.W, self.N, self.G = W, N, G
-        self.pool_cap = max(G, POOL_MIN_PER_KEY) if G else 0
-        self.largest = step_size(1 + (W + G) * (N - 1))  # last, the window and every candidate's guesses
-
-    def room(self, B: int) -> int:
-        return self.largest
-
-    def plan(self, rows, trees, budget: int) -> list[tuple]:
-        return [self.plan_row(row, tree, budget) for row, tree in zip(rows, trees)]
-
-    def plan_row(self, row, tree, budget: int):
-        K = min(self.N - 1, row.max_new - len(row.tokens) - 1)  # the guesses a candidate may make
-        tree = tree.replaced([replace(c, tokens=(c.tokens + c.tokens[-1:] * K)[:K]) for c in tree.candidates[:self.G]])
-        L = len(row.window) or 1  # a window starts with one level
-        w = self.W if step_size(len(tree) + self.W * L) <= budget else 0
-        if step_size(len(tree) + w * L) > budget:
-            tree = tree.keep(range(1, 1 << (budget.bit_length() - 1)))
-        return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
-
-    def observe(self, rows, steps, T: int, seconds: float):
-        pass  # the same shape every step, whatever happened
 
 
 class DynamicShape:
@@ -96,12 +52,12 @@ class DynamicShape:
             return self.fixed_costs
         return STEP_COSTS.setdefault(self.model, {}).setdefault(B, StepCosts())
 
-    def room(self, B: int) -> int:
-        return min(self.largest, self.costs(B).room())
+    def forecast(self, B: int) -> int:
+        return min(self.largest, self.costs(B).forecast())
 
-    def plan(self, rows, trees, budget: int) -> list[tuple]:
+    def plan(self, rows, trees, limit: int) -> list[tuple]:
         return choose_shape([(tree, self.acceptance.setdefault(row, Acceptance()), len(row.window) or 1, MAX_WINDOW)
-                             for row, tree in zip(rows, trees)], self.costs(len(rows)), budget)
+                             for row, tree in zip(rows, trees)], self.costs(len(rows)), limit)
 
     def observe(self, rows, steps, T: int, seconds: float):
         for row, step in zip(rows, steps):
@@ -119,9 +75,8 @@ class StepCosts:
     and only one size above the largest one measured twice is ever considered: the decoder climbs
     the menu one rung at a time and stops where a wider step no longer pays. On a CPU it stops
     after a rung or two; where steps are free (a GPU at small sizes) it goes wide. So the next
-    steps will hold about twice what the recent ones held (room, from the median of the last 8:
-    a size tried once, a rung up, is a trial, not where the steps are): as far as sources whose
-    guesses cost to make need guess.
+    steps will hold about twice what the recent ones held (forecast, from the median of the last
+    8: a size tried once, a rung up, is a trial, not where the steps are).
     `table` fixes the estimates instead (a cost model for tests and experiments: sizes not in
     it are never chosen)."""
 
@@ -135,12 +90,11 @@ class StepCosts:
         """Every size up to `largest` costs the same: what the policy does where steps are free."""
         return cls({1 << i: 1.0 for i in range(largest.bit_length())})
 
-    def room(self) -> int:
+    def forecast(self) -> int:
         """The largest step worth guessing for next: one rung above what the last 8 steps held
         (twice their upper median; 2 before any step), or the table's largest. The median, not
-        the largest: the climb tries a rung up now and then (Spec-Bench at this CPU's cost, 42
-        answers x 3: after its one 64-token step, the largest made the room 128 for the next 13 of
-        5,657 steps, waking token recycling's 80-guess tree for them)."""
+        the largest: the climb tries a rung up now and then, and one trial is not where the
+        steps are."""
         if self.table is not None:
             return max(self.table)
         return 2 * (sorted(self.recent)[len(self.recent) // 2] if self.recent else 1)
@@ -219,8 +173,8 @@ class Acceptance:
         return (self.window_tokens + 1.0) / (self.window_columns + 50)
 
 
-def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, budget: int):
-    """What a step of each size of the menu (up to budget) is worth to one row: {size: (expected
+def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limit: int):
+    """What a step of each size of the menu (up to limit) is worth to one row: {size: (expected
     tokens, n guesses, w window columns)} for the best step that fits in it, and the guesses in
     order of value (the best n are order[:n]).
 
@@ -228,7 +182,7 @@ def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, budg
     right given their parents (Acceptance). The best-ranked candidate's guesses are worth more:
     when it is rejected near its start, its rows become the next step's Jacobi guess, so each
     also carries the chance that the guess it leaves is accepted then. A child is never worth
-    more than its parent, so the best k guesses for a budget of k are the k most valuable, and
+    more than its parent, so the best k guesses for k slots are the k most valuable, and
     a step of size T with w columns of L levels expects
         1 + (the value of its T-1-w*L best guesses) + w * (what a window column yields)
     tokens. Every window width is tried; what fits in a size fits, padded, in the next."""
@@ -248,7 +202,7 @@ def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, budg
         prefix.append(prefix[-1] + value[i])
     col_value = acceptance.window_yield()
     best, size = {}, 1
-    while size <= budget:
+    while size <= limit:
         here, w = best.get(size // 2, (1.0, 0, 0)), 0  # `last` alone, or a smaller step padded
         while w <= max_window and 1 + w * levels <= size:
             n = min(len(order), size - 1 - w * levels)
@@ -261,16 +215,16 @@ def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, budg
     return order, best
 
 
-def choose_shape(rows, costs: StepCosts, budget: int) -> list[tuple]:
+def choose_shape(rows, costs: StepCosts, limit: int) -> list[tuple]:
     """The dynamic policy: the step size T that maximises the expected committed tokens per
     second, i.e. the sum over the batch's rows of what a step of size T is worth to each
     (step_values), over what it costs (costs.estimate(T)); then each row's best guesses and
     window columns within T. rows: (tree, acceptance, window levels, max window) for each.
     Returns each row's (trie of the guesses kept, window columns, Shape)."""
-    values = [step_values(tree, acc, levels, max_window, budget) for tree, acc, levels, max_window in rows]
+    values = [step_values(tree, acc, levels, max_window, limit) for tree, acc, levels, max_window in rows]
     cheapest = min((c for s in (1, 2) if (c := costs.estimate(s))), default=1.0)
     rate, T, size = 0.0, 1, 1  # `last` alone, should a cost model offer no size at all
-    while size <= budget:
+    while size <= limit:
         cost = costs.estimate(size)
         if cost is not None and sum(best[size][0] for _, best in values) / cost > rate:
             rate, T = sum(best[size][0] for _, best in values) / cost, size

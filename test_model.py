@@ -89,7 +89,7 @@ def test_incremental_decoding_matches_full_forward():
     model = random_model(seed=1)
     tokens = torch.randint(0, 32, (1, 20))
     full = model(tokens)  # plain causal forward
-    model.setup_cache(32)
+    model.cache.setup(32)
     idx = torch.arange(20)
     chunks = [model(tokens[:, :5], idx[:5], at(0)), model(tokens[:, 5:8], idx[5:8], at(5))]
     alone = torch.ones(1, 1, 1, dtype=torch.bool)
@@ -116,7 +116,7 @@ def tree_step(model, prefix_len):
 def cached_prefix(model, n, cache_len):
     """Random prefix tokens (1, n), run through a fresh cache of cache_len slots."""
     prefix = torch.randint(0, 32, (1, n))
-    model.setup_cache(cache_len)
+    model.cache.setup(cache_len)
     model(prefix, torch.arange(n), at(0))
     return prefix
 
@@ -186,14 +186,14 @@ def test_rollback_moves_slots_like_a_fresh_run():
     prefix = cached_prefix(model, 5, 40)
     tokens, parents, slots, _ = tree_step(model, 5)
     keep = ancestry(parents, 7)  # the path 0 -> 5 -> 6 -> 7 wins
-    model.rollback([slots[keep].tolist()])  # to slots 5, 6, ... in the path's order
+    model.cache.rollback([slots[keep].tolist()])  # to slots 5, 6, ... in the path's order
 
     fresh = random_model(seed=3)
-    fresh.setup_cache(40)
+    fresh.cache.setup(40)
     seq = torch.cat([prefix, tokens[:, keep]], dim=1)
     n = seq.shape[1]
     fresh(seq, torch.arange(n), at(0))
-    torch.testing.assert_close(model.kv()[..., :n, :], fresh.kv()[..., :n, :], rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.cache.kv()[..., :n, :], fresh.cache.kv()[..., :n, :], rtol=0, atol=1e-12)
 
 
 # --- bad checkpoints -------------------------------------------------------------------------
@@ -222,11 +222,11 @@ def test_the_prefill_runs_fused_kernels_in_chunks_and_matches_one_token_steps(mo
     import model as model_py
     model = random_model(seed=6)
     prompt = [int(t) for t in torch.randint(0, model.args.vocab_size, (40,), generator=torch.Generator().manual_seed(0))]
-    model.setup_cache(64)
+    model.cache.setup(64)
     alone = torch.ones(1, 1, 1, dtype=torch.bool)
     want = [model(torch.tensor([[t]]), at(i)[0], at(i), alone) for i, t in enumerate(prompt)][-1][:, -1]
-    want_cache = model.kv()[..., :40, :].clone()
-    model.setup_cache(64)
+    want_cache = model.cache.kv()[..., :40, :].clone()
+    model.cache.setup(64)
 
     def no_math(*args):
         raise AssertionError("the prefill built scores in plain math")
@@ -235,7 +235,7 @@ def test_the_prefill_runs_fused_kernels_in_chunks_and_matches_one_token_steps(mo
     monkeypatch.setattr(decoding, "PREFILL_CHUNK", chunk)
     got = decoding.prefill(model, [prompt])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    torch.testing.assert_close(model.kv()[..., :40, :], want_cache, rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.cache.kv()[..., :40, :], want_cache, rtol=0, atol=1e-12)
 
 
 def test_missing_folder_and_config(tmp_path):
@@ -302,7 +302,7 @@ def test_positions_past_the_context_are_an_error():
     model = random_model(max_seq_len=16)
     with pytest.raises(ValueError, match="context of 16"):
         model(torch.zeros(1, 17, dtype=torch.long))
-    model.setup_cache(16)
+    model.cache.setup(16)
     with pytest.raises(ValueError, match="position 16 is past the model's context of 16"):
         model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([16]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool))
 
@@ -436,7 +436,7 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
             assert got.tokens == want.tokens and got.committed == want.committed
             # Padding and the bucket's unused slots leave the committed cache as eager's.
             C = len(prompt) + len(want.tokens) - 1
-            torch.testing.assert_close(compiled.kv()[..., :C, :], eager.kv()[..., :C, :], rtol=0, atol=1e-10)
+            torch.testing.assert_close(compiled.cache.kv()[..., :C, :], eager.cache.kv()[..., :C, :], rtol=0, atol=1e-10)
     assert counters["stats"]["unique_graphs"] == graphs  # new prompt lengths and lengths: no new graph
     assert any(s.size > 1 + s.guesses + s.window * s.levels
                for s in lookahead_decode(compiled, [1, 2, 3, 1, 2, 3], 30, window=2, ngram=3, candidates=1).shapes)  # padding ran
@@ -445,13 +445,13 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
 @needs_compiler
 def test_a_compiled_model_keeps_its_cache(compiled_pair):
     _, compiled = compiled_pair
-    assert compiled.cache_len == 320  # what was asked, not the model's context (400)
+    assert compiled.cache.slots == 320  # what was asked, not the model's context (400)
     with pytest.raises(ValueError, match="needs 340 cache slots and the compiled cache holds 320; load with max_seq_len=340"):
         greedy_decode(compiled, [1] * 300, 41)
     buffers = dict(compiled.named_buffers())  # buffers: their addresses stay fixed for CUDA graphs
     assert all(f"layers.{i}.self_attn.{kv}_cache" in buffers for i in range(2) for kv in "kv")
     with pytest.raises(ValueError, match="compiled"):
-        compiled.setup_cache(48)
+        compiled.cache.setup(48)
 
 
 def test_a_compiled_cache_is_what_was_asked_not_the_context():
@@ -460,10 +460,10 @@ def test_a_compiled_cache_is_what_was_asked_not_the_context():
     from model import COMPILED_CACHE
     model = random_model(max_seq_len=131072)
     model.compile_steps(())
-    assert model.cache_len == COMPILED_CACHE == 4096 and model.kv().shape[-2] == 4096 + 1  # a spare slot
+    assert model.cache.slots == COMPILED_CACHE == 4096 and model.cache.kv().shape[-2] == 4096 + 1  # a spare slot
     small = random_model(max_seq_len=1024)
     small.compile_steps((), cache_len=300)
-    assert small.cache_len == 300
+    assert small.cache.slots == 300
 
 
 # --- the model families against transformers --------------------------------------------------

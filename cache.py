@@ -1,0 +1,66 @@
+"""The KV cache: every layer's keys and values, allocated once and written in place.
+
+Each layer's K and V are buffers of its Attention, (rows, n_kv_heads, slots, head_dim): a row
+per sequence of a batch, slot s holding the token at position s of that row. A decoding step
+writes its tokens' K/V right after a row's committed slots; the rollback then moves the
+accepted ones down to follow the committed ones, and whatever it did not keep lies past the
+committed length, overwritten by the next step. Nothing is reallocated, nothing concatenated.
+"""
+import torch
+
+
+class KVCache:
+    """The model's cache, over its layers' Attention buffers (k_cache, v_cache). Buffers, not
+    plain tensors: a compiled step then writes them where they are (a static address)."""
+
+    def __init__(self, attentions, args):
+        self.attentions, self.args = list(attentions), args
+        self.slots = 0  # 0: none set up (the decoders track what is committed)
+        self.frozen = False  # a compiled model keeps the cache it was compiled with
+
+    def setup(self, slots: int, rows: int = 1, spare: bool = False):
+        """Allocate (rows, n_kv_heads, slots, head_dim) K and V for each layer; spare: one slot
+        past the model's context (a compiled cache's, never read)."""
+        if slots > self.args.max_seq_len + spare:
+            raise ValueError(f"cache of {slots} exceeds the model's context of {self.args.max_seq_len}")
+        if self.frozen:
+            raise ValueError("a compiled model keeps the cache it was compiled with")
+        a, like = self.args, self.attentions[0].qkv_proj.weight
+        for attn in self.attentions:
+            attn.k_cache, attn.v_cache = (torch.zeros(rows, a.n_kv_heads, slots, a.head_dim, dtype=like.dtype,
+                                                      device=like.device) for _ in "kv")
+        self.slots = slots
+
+    @property
+    def rows(self) -> int:
+        return self.attentions[0].k_cache.shape[0] if self.slots else 0
+
+    def keep_rows(self, rows: list[int], used: int):
+        """Keep only these rows, in this order (a batch whose other sequences finished), so that
+        finished rows cost nothing after: their slots [0, used) move up in place, once, and each
+        buffer becomes a view of its first len(rows) rows."""
+        index, n = torch.tensor(rows, device=self.attentions[0].k_cache.device), len(rows)
+        for attn in self.attentions:
+            for cache in (attn.k_cache, attn.v_cache):
+                cache[:n, :, :used] = cache[index, :, :used]  # gathered first, then written
+            attn.k_cache, attn.v_cache = attn.k_cache[:n], attn.v_cache[:n]
+
+    def rollback(self, moves: list[list[int]]):
+        """Row b's accepted tokens have their K/V in slots moves[b], in order: move them to follow
+        one another from slot moves[b][0], one gather and scatter per layer for all rows. Rows
+        with fewer moves repeat their last one (a no-op)."""
+        if all(m == list(range(m[0], m[0] + len(m))) for m in moves):
+            return  # already in place
+        n, dev = max(map(len, moves)), self.attentions[0].k_cache.device
+        src = [m + m[-1:] * (n - len(m)) for m in moves]
+        dst = [list(range(m[0], m[0] + len(m))) + [m[0] + len(m) - 1] * (n - len(m)) for m in moves]
+        src, dst = torch.tensor([src, dst], device=dev)  # (B, n) each
+        rows = torch.arange(len(moves), device=dev)[:, None]
+        for attn in self.attentions:
+            for cache in (attn.k_cache, attn.v_cache):
+                cache[rows, :, dst] = cache[rows, :, src]  # gathered first, then written: overlaps are safe
+
+    def kv(self) -> torch.Tensor:
+        """Every layer's K and V stacked, (n_layers, 2, rows, n_kv_heads, slots, head_dim): a
+        copy, to inspect the cache."""
+        return torch.stack([torch.stack((a.k_cache, a.v_cache)) for a in self.attentions])

@@ -1,0 +1,95 @@
+"""Draft sources: where a lookahead step's guesses come from, and what a new one implements.
+
+lookahead.py has the paper's source, the n-gram pool, and this project's Jacobi guess;
+recycling.py has token recycling. Every one of them keeps the contract of DraftSource below.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from decoding import prefill
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A chain of guesses continuing `last`, and who made it: `source` names the draft source
+    (the dynamic shape learns how often each source's guesses are right); from_window marks an
+    n-gram the lookahead window made (it credits the window)."""
+    tokens: tuple
+    source: str
+    from_window: bool = False
+
+
+class DraftSource:
+    """Where guesses come from. Whatever a source proposes, the output stays exactly greedy's
+    (or plain sampling's distribution): verification accepts only what the model itself says.
+
+    When each hook runs, for every row (a prompt of the batch) and its Sequence `seq`:
+      - lookahead_decode(..., drafts=f) calls f(seq) once, as the request starts, for the row's
+        sources, in order (default [seq.pool, JacobiGuess()]);
+      - observe_prefill(seq, rankings), once after the prompt's forward, only if `rankings` > 0
+        and wants_rankings(seq.worth_guessing) (it is the LM head over every prompt token);
+      - before every step: propose(seq, k) -> candidate continuations of seq.tokens[-1], best
+        first, each of at most k guesses (k: what is left before max_new_tokens);
+      - after every step: observe(seq, step), the row's Verified step, once seq already holds
+        what the step committed (step.committed).
+
+    What `seq` offers (read only): prompt (ids), tokens (the committed ones; tokens[-1] is
+    `last`), max_new, N, pool, and worth_guessing: the most guesses the policy expects the
+    coming steps to hold, so a source whose guesses cost it to make need not make more.
+
+    rankings: how many of the model's best next tokens the source reads after every row a step
+    runs (Verified.rankings, None unless some source of the row asks) while
+    wants_rankings(seq.worth_guessing) says they are worth reading; 0: none (the default)."""
+
+    rankings = 0
+
+    def propose(self, seq, k: int) -> list[Candidate]:
+        return []
+
+    def observe(self, seq, step):
+        pass
+
+    def wants_rankings(self, worth_guessing: int) -> bool:
+        return True
+
+    def observe_prefill(self, seq, rankings: list[list[int]]):
+        """The model's `rankings` best tokens after every prompt token."""
+
+
+def token_back(seq, n: int) -> int:
+    """The n-th token from the end of prompt + tokens (n >= 1), without joining the two."""
+    return seq.tokens[-n] if n <= len(seq.tokens) else seq.prompt[len(seq.tokens) - n]
+
+
+# The model's rankings, for the sources that read them: in the step's one host sync, and once
+# over the prompt (the LM head over every prompt token: 20% of SmolLM2's prefill, 60% of Gemma 3's).
+
+def rankings_wanted(rows) -> int:
+    """How many of the model's best tokens the rows' draft sources read now (0: none)."""
+    return max((s.rankings for row in rows for s in row.sources if s.rankings and s.wants_rankings(row.worth_guessing)),
+               default=0)
+
+
+def predictions(logits, rows):
+    """Each row's argmax after every position read, and (where a source reads them) the model's
+    best tokens there: (pred, rankings), host lists, in one host sync."""
+    k = rankings_wanted(rows)
+    if not k:
+        return logits.argmax(-1).tolist(), [None] * len(rows)
+    best = torch.cat((logits.argmax(-1, keepdim=True), logits.topk(k, dim=-1).indices), dim=-1).tolist()
+    return [[r[0] for r in rs] for rs in best], [[r[1:] for r in rs] for rs in best]
+
+
+def prefill_with_rankings(model, rows) -> torch.Tensor:
+    """decoding.prefill of every row's prompt -> the logits (B, V) of each first new token; the
+    sources that read rankings (and want them now) see the model's best after every prompt token."""
+    readers = [[s for s in row.sources if s.rankings and s.wants_rankings(row.worth_guessing)] for row in rows]
+    k = max((s.rankings for sources in readers for s in sources), default=0)
+    if not k:
+        return prefill(model, [row.prompt for row in rows])
+    logits, tops = prefill(model, [row.prompt for row in rows], k)
+    for row, sources, top in zip(rows, readers, tops):
+        for source in sources:
+            source.observe_prefill(row, top)
+    return logits
