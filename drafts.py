@@ -21,25 +21,37 @@ class Candidate:
 
 
 class DraftSource:
-    """Where guesses come from. Whatever a source proposes, the output stays exactly greedy's
-    (or plain sampling's distribution): verification accepts only what the model itself says.
+    """Where guesses come from: the contract every draft source keeps. Whatever a source proposes,
+    the output stays exactly greedy's (or plain sampling's distribution): verification accepts
+    only what the model itself says. A source is made per row (a prompt of the batch): by
+    lookahead_decode(..., drafts=f), f(seq) -> the row's sources in order (default [seq.pool,
+    JacobiGuess()]); from the command line, `--drafts pool,FILE.py:ClassName,jacobi` makes
+    ClassName() per row.
 
-    When each hook runs, for every row (a prompt of the batch) and its Sequence `seq`:
-      - lookahead_decode(..., drafts=f) calls f(seq) once, as the request starts, for the row's
-        sources, in order (default [seq.pool, JacobiGuess()]);
-      - observe_prefill(seq, rankings), once after the prompt's forward, only if `rankings` > 0
-        and wants_rankings(seq.worth_guessing) (it is the LM head over every prompt token);
-      - before every step: propose(seq, k) -> candidate continuations of seq.tokens[-1], best
-        first, each of at most k guesses (k: what is left before max_new_tokens);
-      - after every step: observe(seq, step), the row's Verified step, once seq already holds
-        what the step committed (step.committed).
+    When each hook runs, for a row whose state is `seq`:
+      - observe_prefill(seq, rankings), once after the prompt's forward, only where `rankings` > 0
+        and wants_rankings(seq.worth_guessing) (it costs the LM head over every prompt token);
+      - before every step, propose(seq, k) -> candidate continuations of seq.tokens[-1] (`last`),
+        best first, each a Candidate of at most k guesses (k: what is left before max_new_tokens;
+        longer chains are cut). Any number, any length, empty or repeated: the trie merges shared
+        prefixes. A tree of guesses goes as its leaf chains, the best-ranked first;
+      - after every step, observe(seq, step) with the row's Verified record, seq already holding
+        what it committed (step.committed). The prefill's first token comes the same way, as a
+        step with no guesses: every committed token reaches observe exactly once.
 
-    What `seq` offers (read only): prompt (ids), tokens (the committed ones; tokens[-1] is
-    `last`), max_new, N, pool, and worth_guessing: the most guesses the policy expects the
-    coming steps to hold, so a source whose guesses cost it to make need not make more.
+    What `seq` offers (read only): prompt and tokens (ids; tokens[-1] is `last`), max_new, N,
+    pool (the row's NGramPool), and worth_guessing: the most guesses the policy expects the
+    coming steps to hold, so that a source whose guesses cost it to make need not make more.
 
-    rankings: how many of the model's best next tokens the source reads after every row a step
-    runs (Verified.rankings, None unless some source of the row asks) while
+    How the shapes use proposals: the fixed shape (the paper's W, N, G) runs the first G
+    candidates of all sources, in the sources' order, each cut or padded to N-1 guesses, so a
+    source listed after the pool runs only where the pool has fewer than G; list it first to run
+    its best always. The dynamic shape runs the guesses worth their cost, learning per
+    Candidate.source label, depth and rank how often they are right (unknown labels start at
+    0.3).
+
+    rankings: how many of the model's best next tokens the source reads after every position a
+    step reads (Verified.rankings, None unless some source of the row asks) while
     wants_rankings(seq.worth_guessing) says they are worth reading; 0: none (the default)."""
 
     rankings = 0

@@ -19,7 +19,7 @@ Words (one meaning each):
   commit     append the accepted guesses and the model's next token to the output
   roll back  keep only the committed tokens' K/V in the cache
   shape      what a step runs: window columns, guesses, tokens in all (the paper's W, N, G)
-  policy     who chooses the shape: the paper's FixedShape here, or shape.py's DynamicShape
+  policy     who chooses the shape (shape.py): the paper's FixedShape, or the DynamicShape
 
 One step (lookahead_step), numbered as in the code:
 
@@ -33,6 +33,7 @@ what other draft sources (drafts.py) and the dynamic policy (shape.py) need.
 """
 import random
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -41,9 +42,8 @@ import torch
 
 from decoding import Generation, check_requests, drop_finished, ensure_cache, per_row, step_limit, switch_rope
 from drafts import Candidate, DraftSource, predictions, prefill_with_rankings, token_back
-from model import step_size
 from sampling import Sampling, verify_sampled
-from shape import DynamicShape, Shape
+from shape import Shape, shape_policy
 
 
 class NGramPool(DraftSource):
@@ -155,6 +155,10 @@ class Tree:
             out.append(next(iter(self.children[out[-1]].values())))
         return out
 
+    def replaced(self, candidates) -> "Tree":
+        """The trie of other candidates for the same `last` (a policy's cut)."""
+        return Tree(self.tokens[0], candidates)
+
     def keep(self, nodes) -> "Tree":
         """The sub-trie of these nodes (closed under parents), rebuilt from the candidates in
         their order, so each node keeps the first candidate through it (a step that must shrink)."""
@@ -170,42 +174,11 @@ class Tree:
         return out
 
 
-class FixedShape:
-    """The paper's policy: every step the first G candidates, each cut or padded to N-1 guesses
-    (padded with its last token: a slot's cost, never exactness), and the whole window, W columns
-    x N-1 levels. Near the end of the cache the window sits out and the trie shrinks to what fits."""
-
-    def __init__(self, W: int, N: int, G: int):
-        if W < 0 or G < 0:
-            raise ValueError(f"need window >= 0 and candidates >= 0 (got {W}, {G})")
-        self.W, self.N, self.G = W, N, G
-        self.pool_cap = max(G, 8) if G else 0  # a few n-grams per key even for a small G, to rank from
-        self.largest = step_size(1 + (W + G) * (N - 1))  # last, the window and every candidate's guesses
-
-    def plan(self, rows, trees, limit: int) -> list[tuple]:
-        """For every row: (the trie to verify, window columns, Shape), within `limit` tokens."""
-        return [self.plan_row(row, tree, limit) for row, tree in zip(rows, trees)]
-
-    def plan_row(self, row, tree, limit: int):
-        K = min(self.N - 1, row.max_new - len(row.tokens) - 1)  # the guesses a candidate may make
-        tree = Tree(tree.tokens[0], [replace(c, tokens=(c.tokens + c.tokens[-1:] * K)[:K])
-                                     for c in tree.candidates[:self.G]])
-        L = len(row.window) or 1  # a window starts with one level
-        w = self.W if step_size(len(tree) + self.W * L) <= limit else 0
-        if step_size(len(tree) + w * L) > limit:
-            tree = tree.keep(range(1, 1 << (limit.bit_length() - 1)))
-        return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
-
-    def forecast(self, B: int) -> int:
-        return self.largest
-
-    def observe(self, rows, steps, T: int, seconds: float):
-        pass  # the same shape every step, whatever happened
-
-
 @lru_cache(maxsize=None)
 def window_layout(W: int, L: int):
-    """The window's part of a step's mask, built once per shape: (W*L, 1 + W*L) over [last, window].
+    """The window's part of a step's mask, built once per shape: each of its W*L rows as bytes over
+    the window's W*L columns (1 = may attend; every row also attends to `last`), and each row's
+    position after C.
 
     Row r = (level l, column j) attends to `last`, to level 0 up to column j, and to its own
     column up to level l; it stands at position C + 1 + j + l. W=3, L=2; 'x' = may attend:
@@ -220,59 +193,55 @@ def window_layout(W: int, L: int):
                    b2  x   x  x  x         x          4
 
     Level 0 is a guessed continuation of `last` (a causal run); level l, column j was predicted
-    from level l-1, column j a step ago. Returns (mask, position offsets)."""
-    mask = torch.zeros(W * L, 1 + W * L, dtype=torch.bool)
-    offsets = torch.zeros(W * L, dtype=torch.long)
-    mask[:, 0] = True
+    from level l-1, column j a step ago."""
+    rows, offsets = [], []
     for level in range(L):
         for j in range(W):
-            r = level * W + j
-            mask[r, 1:2 + j] = True  # level 0, columns 0..j
+            row = bytearray(W * L)
+            row[:j + 1] = b"\1" * (j + 1)  # level 0, columns 0..j
             for up in range(1, level + 1):
-                mask[r, 1 + up * W + j] = True  # own column, levels 1..level
-            offsets[r] = 1 + j + level
-    return mask, offsets
+                row[up * W + j] = 1  # own column, levels 1..level
+            rows.append(bytes(row))
+            offsets.append(1 + j + level)
+    return rows, offsets
 
 
 def step_inputs(tree: Tree, window, w: int, size: int):
-    """Tokens (size,), positions after C (size,), the (size, size) in-step mask (0/1) and the
-    positions whose logits are read, of one row's step laid out as
+    """One row's step laid out as
 
         [ trie: last, guesses | window: w columns x L levels | padding ]
 
-    Read: every trie node (the logits at node i predict the token after it), then the newest
-    window level (its predictions become the next level). Padding attends only to itself."""
+    -> tokens, positions after C (lists of `size`), the (size x size) in-step mask as bytes
+    (row-major, 1 = may attend) and the positions whose logits are read: every trie node (the
+    logits at node i predict the token after it), then the newest window level (its predictions
+    are the next level). Padding attends only to itself. Plain Python and one bytearray: a step's
+    host work is this, not a few dozen small tensor operations."""
     n, L = len(tree), len(window) if w else 0
     T = n + w * L
-    block = torch.zeros(size, size, dtype=torch.long)
-    rows, cols = [], []
-    ancestors = [[0]]
-    for i in range(1, n):  # a guess sees its ancestors and itself
-        ancestors.append(ancestors[tree.parent[i]] + [i])
-        rows += [i] * len(ancestors[i])
-        cols += ancestors[i]
-    block[0, 0] = 1
-    if rows:
-        block[rows, cols] = 1
-    offsets = torch.zeros(size, dtype=torch.long)
-    offsets[:n] = torch.tensor(tree.depth)
+    block = bytearray(size * size)
+    block[0] = 1
+    for i in range(1, n):  # a guess sees what its parent sees, and itself
+        p = tree.parent[i]
+        block[i * size:i * size + n] = block[p * size:p * size + n]
+        block[i * size + i] = 1
+    offsets = tree.depth + [0] * (size - n)
     tokens = tree.tokens + [t for level in window[:L] for t in level[:w]] + [0] * (size - T)
     if L:
-        wmask, woffsets = window_layout(w, L)
-        block[n:T, 0] = wmask[:, 0]
-        block[n:T, n:T] = wmask[:, 1:]
-        offsets[n:T] = woffsets
-    pad = torch.arange(T, size)
-    block[pad, pad] = 1
+        rows, offsets[n:T] = window_layout(w, L)
+        for r, row in enumerate(rows):
+            start = (n + r) * size
+            block[start] = 1  # `last`
+            block[start + n:start + T] = row
+    for p in range(T, size):
+        block[p * size + p] = 1
     read = list(range(n)) + list(range(n + (L - 1) * w, n + L * w))
-    return torch.tensor(tokens), offsets, block, read
+    return tokens, offsets, block, read
 
 
 def verify_greedy(tree: Tree, pred) -> tuple[list[int], int]:
-    """Greedy verification -> (accepted nodes, bonus token). pred[i] is the model's next token
-    after node i. From `last`, follow the child whose token the model predicted while there is
-    one: those guesses are what greedy decoding produces, and the prediction after the last of
-    them is a bonus token the forward already computed."""
+    """5. Greedy verification -> (accepted nodes, bonus token), pred[i] the model's next token
+    after node i. From `last`, follow the child the model predicted while there is one: those
+    guesses are greedy's tokens, and the prediction after the last of them comes free."""
     path, v = [], 0
     while (child := tree.children[v].get(pred[v])) is not None:
         path.append(child)
@@ -402,8 +371,11 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
     #    mask that gives it exactly its trajectory's context.
     parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(rows, plans)]
     # 4. Forward: one model call; the logits of the positions read only.
-    logits = model.step(*pack_inputs(model, rows, parts, T))  # (B, R, V)
+    inputs = pack_inputs(model, rows, parts, T)
+    forward = time.perf_counter()
+    logits = model.step(*inputs)  # (B, R, V)
     pred, rankings = predictions(logits, rows)  # the one host sync of a greedy step
+    forward = time.perf_counter() - forward
     # 5 to 7. Verify: the longest chain the model agrees with, plus its next token; then the
     #    window's update and the commit (Sequence.advance).
     steps = [row.advance(tree, w, pred[j], rankings[j], *verify(row, tree, pred[j], logits[j]), shape)
@@ -412,7 +384,10 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
     #    one-token-at-a-time run writes (same tokens, positions, context), so they move down next
     #    to `last`, and the rest, past the committed length, is overwritten by the next step.
     model.cache.rollback([step.slots for step in steps])
-    policy.observe(rows, steps, T, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    policy.observe(rows, steps, T, seconds)
+    for row in rows:
+        row.out.host_seconds += seconds - forward  # all but the forward, argmax and top-k: host work
     for j, step in enumerate(steps):
         on_step and on_step(j, step)
 
@@ -455,18 +430,6 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, *, on_tokens=None, on_st
                                   on_step=on_step and (lambda _, s: on_step(s)), **options)[0]
 
 
-def shape_policy(model, window, ngram, candidates, costs):
-    """The paper's fixed shape when window and candidates are given; neither: the dynamic one."""
-    N = 5 if ngram is None else ngram
-    if N < 2:
-        raise ValueError(f"need ngram >= 2 (got {N})")
-    if window is None and candidates is None:
-        return DynamicShape(N, model, costs)
-    if window is None or candidates is None:
-        raise ValueError("a fixed shape needs both window and candidates (neither: the dynamic shape)")
-    return FixedShape(window, N, candidates)
-
-
 # ---------------------------------------------------------------------------------------------
 # Beyond the paper: batches, sampling, the dynamic policy's forecast. A batch's step is its rows'
 # side by side, row b in slots C_b .. C_b+T-1 of its cache row; rows never see each other:
@@ -475,9 +438,8 @@ def shape_policy(model, window, ngram, candidates, costs):
 # ---------------------------------------------------------------------------------------------
 
 def before_step(model, policy, rows: list[Sequence]) -> int:
-    """The most tokens this step may hold (the cache's free slots, the policy's largest size),
-    and every row told how many guesses the coming steps are expected to hold (worth_guessing,
-    for sources whose guesses cost to make); longrope's switch runs here (decoding.switch_rope)."""
+    """The most tokens this step may hold (free cache, the policy's largest size); each row's
+    worth_guessing (drafts.py); longrope's switch (decoding.switch_rope)."""
     limit = min(policy.largest, *(step_limit(model, row.C) for row in rows))
     worth_guessing = min(limit, policy.forecast(len(rows))) - 1  # all of a step but `last`
     for j, row in enumerate(rows):
@@ -488,16 +450,19 @@ def before_step(model, policy, rows: list[Sequence]) -> int:
 
 def pack_inputs(model, rows: list[Sequence], parts: list, T: int):
     """The step's inputs, built on the host and sent in ONE host-to-device copy (one a tensor
-    would be a sync point each on a GPU): tokens (B, T), positions (B, T), committed (B, 1), the
-    in-step mask (B, T, T), the span of committed lengths (host) and the positions read (B, R)."""
-    dev, B = model.device, len(rows)
-    R = max(len(read) for *_, read in parts)
-    packed = torch.cat([torch.cat((tokens, offsets, block.flatten(), torch.tensor(read + read[:1] * (R - len(read))),
-                                   torch.tensor([row.C]))) for row, (tokens, offsets, block, read) in zip(rows, parts)]
-                       ).to(dev).view(B, -1)
-    tokens, offsets, block, read, C = packed.split((T, T, T * T, R, 1), dim=1)
+    would be a sync point each on a GPU): every row's ints (int64) then every row's mask (bytes),
+    viewed on the device as tokens (B, T), positions (B, T), committed (B, 1), the in-step mask
+    (B, T, T) and the positions read (B, R); and the span of committed lengths (host)."""
+    B, R = len(rows), max(len(read) for *_, read in parts)
+    ints = array("q")
+    for row, (tokens, offsets, _, read) in zip(rows, parts):
+        ints.extend(tokens + offsets + read + read[:1] * (R - len(read)) + [row.C])
+    packed = torch.frombuffer(bytearray(ints.tobytes()) + b"".join(block for *_, block, _ in parts), dtype=torch.uint8)
+    packed = packed.to(model.device)
+    tokens, offsets, read, C = packed[:8 * len(ints)].view(torch.int64).view(B, -1).split((T, T, R, 1), dim=1)
+    block = packed[8 * len(ints):].view(torch.bool).view(B, T, T)
     span = min(row.C for row in rows), max(row.C for row in rows)
-    return tokens, C + offsets, C, block.reshape(B, T, T).bool(), span, read
+    return tokens, C + offsets, C, block, span, read
 
 
 def verify(row: Sequence, tree: Tree, pred: list[int], logits) -> tuple[list[int], int]:
@@ -509,8 +474,7 @@ def verify(row: Sequence, tree: Tree, pred: list[int], logits) -> tuple[list[int
 
 
 def start_rows(model, rows: list[Sequence], sampling: Sampling, worth_guessing: int, start: float, on_tokens=None):
-    """Prefill every row's prompt (draft sources that read rankings see the prompt's) and commit
-    its first token."""
+    """Prefill every row's prompt and commit its first token."""
     for row in rows:
         row.worth_guessing = worth_guessing
     logits = prefill_with_rankings(model, rows)
@@ -518,6 +482,10 @@ def start_rows(model, rows: list[Sequence], sampling: Sampling, worth_guessing: 
     for b, row in enumerate(rows):
         row.out.prefill_seconds = time.perf_counter() - start
         kept = row.commit(first[b:b + 1])
+        # The sources see the first token as a step with no guesses: every committed token once.
+        step = Verified(Tree(row.prompt[-1]), 0, [row.prompt[-1]], first[b:b + 1], None, [], kept, [])
+        for source in row.sources:
+            source.observe(row, step)
         on_tokens and on_tokens(b, kept)
 
 

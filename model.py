@@ -118,6 +118,23 @@ def apply_rope(x, cos, sin):
     return x * cos + x.roll(d // 2, -1) * sin
 
 
+def check_device_dtype(device: torch.device, dtype: torch.dtype):
+    """Refuse, in one line and before any weight is read, what this device cannot run: bfloat16
+    on a GPU without it in hardware (before compute capability 8.0, torch emulates it and the
+    fused kernels have none). float64 runs everywhere (on a GPU its attention takes plain math),
+    float16 too."""
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype} (float32, float64, bfloat16 or float16)")
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device}, but PyTorch sees no CUDA GPU here")
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"this GPU (compute capability {major}.{minor}) has no native bfloat16; "
+                         "use float16 or float32")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -379,8 +396,9 @@ class Transformer(nn.Module):
         dtype: float32 unless given, on every device, so that lookahead's output is exactly
         greedy's; bfloat16 / float16 are faster on a GPU but round a T-token step differently
         from a 1-token one, which can flip a near-tie between the top two tokens."""
-        args = ModelArgs.from_hf_config(read_config(path))
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        check_device_dtype(device, dtype or torch.float32)
+        args = ModelArgs.from_hf_config(read_config(path))
         with torch.device("meta"):
             model = cls(args)
         shapes = {k: v.shape for k, v in model.state_dict().items()}

@@ -53,7 +53,7 @@ TEMPLATE = [tuple(int(r) for r in path) for path in """
 class TokenRecycling(DraftSource):
     """The model's recycled top-k predictions as candidates; see the module docstring."""
 
-    def __init__(self, seq=None, template=TEMPLATE):
+    def __init__(self, template=TEMPLATE):
         self.template = template  # rank paths, each after its prefix
         self.rankings = 1 + max(max(path) for path in template)  # how many of the model's best it reads
         self.next: dict[int, list[int]] = {}  # token -> the model's best after it, last time
@@ -90,8 +90,8 @@ class TokenRecycling(DraftSource):
                 self.next2[seq.prompt[i - 1], token] = best
 
     def observe(self, seq, step):
-        if not self.wants_rankings(seq.worth_guessing):
-            return
+        if step.rankings is None or not self.wants_rankings(seq.worth_guessing):
+            return  # the prefill's first token (no rankings), or idle
         tree, n = step.tree, len(step.tree)
         before_last = token_back(seq, len(step.committed) + 2)  # `last` came before what the step committed
         for v, (token, best) in enumerate(zip(step.read[:n], step.rankings)):  # every guess, accepted or rejected

