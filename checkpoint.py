@@ -246,3 +246,20 @@ def weight_files(path: Path) -> list[Path]:
         raise ValueError(f"{path} has only pickle weights ({', '.join(sorted(pickles)[:3])}); "
                          "only safetensors are loaded, since unpickling can run arbitrary code")
     raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json")
+
+
+def check_device_dtype(device: torch.device, dtype: torch.dtype):
+    """Refuse, in one line and before any weight is read, what this device cannot run: bfloat16
+    on a GPU without it in hardware (before compute capability 8.0, torch emulates it and the
+    fused kernels have none). float64 runs everywhere (on a GPU its attention takes plain math),
+    float16 too."""
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype} (float32, float64, bfloat16 or float16)")
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device}, but PyTorch sees no CUDA GPU here")
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"this GPU (compute capability {major}.{minor}) has no native bfloat16; "
+                         "use float16 or float32")

@@ -18,7 +18,8 @@ from decoding import Generation, Sampling, greedy_decode, greedy_decode_batch, s
 from explain import explain_step
 from drafts import DraftSource
 from lookahead import JacobiGuess, lookahead_decode, lookahead_decode_batch
-from model import Transformer, check_device_dtype
+from checkpoint import check_device_dtype
+from model import Transformer
 from recycling import TokenRecycling
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -151,6 +151,17 @@ def switch_rope(model: Transformer, row: int, C: int, sequence: list[int]):
         run_prompt(model, sequence, row)
 
 
+def before_step(model, policy, rows) -> int:
+    """The most tokens this step may hold (free cache, the policy's largest size); each row's
+    worth_guessing (drafts.py); longrope's switch (switch_rope)."""
+    limit = min(policy.largest, *(step_limit(model, row.C) for row in rows))
+    worth_guessing = min(limit, policy.forecast(len(rows))) - 1  # all of a step but `last`
+    for j, row in enumerate(rows):
+        switch_rope(model, j, row.C, row.prompt + row.tokens)
+        row.worth_guessing = worth_guessing
+    return limit
+
+
 def per_row(on_tokens):
     """A single sequence's on_tokens(ids) as a batch's on_tokens(row, ids)."""
     return on_tokens and (lambda _, ids: on_tokens(ids))

@@ -40,7 +40,7 @@ from functools import lru_cache
 
 import torch
 
-from decoding import Generation, check_requests, drop_finished, ensure_cache, per_row, step_limit, switch_rope
+from decoding import Generation, before_step, check_requests, drop_finished, ensure_cache, per_row
 from drafts import Candidate, DraftSource, predictions, prefill_with_rankings, token_back
 from sampling import Sampling, verify_sampled
 from shape import Shape, shape_policy
@@ -153,24 +153,6 @@ class Tree:
         out = [node]
         while self.children[out[-1]]:
             out.append(next(iter(self.children[out[-1]].values())))
-        return out
-
-    def replaced(self, candidates) -> "Tree":
-        """The trie of other candidates for the same `last` (a policy's cut)."""
-        return Tree(self.tokens[0], candidates)
-
-    def keep(self, nodes) -> "Tree":
-        """The sub-trie of these nodes (closed under parents), rebuilt from the candidates in
-        their order, so each node keeps the first candidate through it (a step that must shrink)."""
-        keep, out = set(nodes) | {0}, Tree(self.tokens[0])
-        for candidate in self.candidates:
-            v, kept = 0, []
-            for tok in candidate.tokens:
-                v = self.children[v][tok]
-                if v not in keep:
-                    break
-                kept.append(tok)
-            out.add(replace(candidate, tokens=tuple(kept)))
         return out
 
 
@@ -431,22 +413,11 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, *, on_tokens=None, on_st
 
 
 # ---------------------------------------------------------------------------------------------
-# Beyond the paper: batches, sampling, the dynamic policy's forecast. A batch's step is its rows'
-# side by side, row b in slots C_b .. C_b+T-1 of its cache row; rows never see each other:
+# Beyond the paper: batches and sampling. A batch's step is its rows' side by side, row b in
+# slots C_b .. C_b+T-1 of its cache row; rows never see each other:
 #     row 0   [ last | guesses | window | padding ]
 #     row 1   [ last | guesses | window .......... ]
 # ---------------------------------------------------------------------------------------------
-
-def before_step(model, policy, rows: list[Sequence]) -> int:
-    """The most tokens this step may hold (free cache, the policy's largest size); each row's
-    worth_guessing (drafts.py); longrope's switch (decoding.switch_rope)."""
-    limit = min(policy.largest, *(step_limit(model, row.C) for row in rows))
-    worth_guessing = min(limit, policy.forecast(len(rows))) - 1  # all of a step but `last`
-    for j, row in enumerate(rows):
-        switch_rope(model, j, row.C, row.prompt + row.tokens)
-        row.worth_guessing = worth_guessing
-    return limit
-
 
 def pack_inputs(model, rows: list[Sequence], parts: list, T: int):
     """The step's inputs, built on the host and sent in ONE host-to-device copy (one a tensor

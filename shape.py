@@ -70,11 +70,11 @@ class FixedShape:
         cut = [c if len(c.tokens) == K else replace(c, tokens=(c.tokens + c.tokens[-1:] * K)[:K])
                for c in tree.candidates[:self.G]]
         if len(cut) < len(tree.candidates) or any(a is not b for a, b in zip(cut, tree.candidates)):
-            tree = tree.replaced(cut)  # a new trie only where a candidate was cut, padded or left out
+            tree = type(tree)(tree.tokens[0], cut)  # a new trie only where a candidate was cut, padded or left out
         L = len(row.window) or 1  # a window starts with one level
         w = self.W if step_size(len(tree) + self.W * L) <= limit else 0
         if step_size(len(tree) + w * L) > limit:
-            tree = tree.keep(range(1, 1 << (limit.bit_length() - 1)))
+            tree = keep(tree, range(1, 1 << (limit.bit_length() - 1)))
         return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
 
     def forecast(self, B: int) -> int:
@@ -281,5 +281,21 @@ def choose_shape(rows, costs: StepCosts, limit: int) -> list[tuple]:
     for (tree, _, levels, _), (order, best) in zip(rows, values):
         expected, n, w = best[T]
         shape = Shape(w, levels if w else 0, n, T, expected, (costs.estimate(T) or cheapest) / cheapest)
-        shapes.append((tree.keep(order[:n]), w, shape))
+        shapes.append((keep(tree, order[:n]), w, shape))
     return shapes
+
+
+def keep(tree, nodes):
+    """The sub-trie of these nodes of a lookahead.Tree (closed under parents), rebuilt from its
+    candidates in their order, so each node keeps the first candidate through it: a step cut
+    to the guesses it can hold."""
+    kept_nodes, out = set(nodes) | {0}, type(tree)(tree.tokens[0])
+    for candidate in tree.candidates:
+        v, kept = 0, []
+        for tok in candidate.tokens:
+            v = tree.children[v][tok]
+            if v not in kept_nodes:
+                break
+            kept.append(tok)
+        out.add(replace(candidate, tokens=tuple(kept)))
+    return out

@@ -1087,12 +1087,14 @@ def test_bench_measures_and_checks_identity(tiny_checkpoint, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "w7 w8 w9 w7 w8", "chat": false}\n\n{"prompt": "w9 w9", "chat": true}\n')
     out = tmp_path / "bench.json"
-    code = bench.main(["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--configs", "3,3,3", "1,4,1",
+    lookup = f"1,4,1:pool,{Path(__file__).resolve().parent / 'examples' / 'prompt_lookup.py'}:PromptLookup"
+    code = bench.main(["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--configs", "3,3,3", lookup,
                        "--max-new-tokens", "12", "--repeats", "2", "--json", str(out)])
     table = capsys.readouterr().out
     assert code == 0, table
     result = json.loads(out.read_text())
-    assert [row["config"] for row in result["rows"]] == ["greedy", "3,3,3", "1,4,1"]
+    assert [row["config"] for row in result["rows"]] == ["greedy", "3,3,3", lookup]  # a source from a file too
+    assert all(row["host_ms_per_step"] > 0 for row in result["rows"][1:])
     greedy, *lookahead = result["rows"]
     assert all(row["identical"] and row["tokens"] == greedy["tokens"] for row in lookahead)
     assert greedy["steps"] == greedy["tokens"] - 2 and greedy["step_cost"] == pytest.approx(1.0)
