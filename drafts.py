@@ -75,12 +75,16 @@ def token_back(seq, n: int) -> int:
 
 
 # The model's rankings, for the sources that read them: in the step's one host sync, and once
-# over the prompt (the LM head over every prompt token: 20% of SmolLM2's prefill, 60% of Gemma 3's).
+# over the prompt (the LM head over every prompt token: docs/PERFORMANCE.md says what it costs).
+
+def readers(row) -> list[DraftSource]:
+    """The row's sources that read the model's rankings now."""
+    return [s for s in row.sources if s.rankings and s.wants_rankings(row.worth_guessing)]
+
 
 def rankings_wanted(rows) -> int:
     """How many of the model's best tokens the rows' draft sources read now (0: none)."""
-    return max((s.rankings for row in rows for s in row.sources if s.rankings and s.wants_rankings(row.worth_guessing)),
-               default=0)
+    return max((s.rankings for row in rows for s in readers(row)), default=0)
 
 
 def predictions(logits, rows):
@@ -96,12 +100,11 @@ def predictions(logits, rows):
 def prefill_with_rankings(model, rows) -> torch.Tensor:
     """decoding.prefill of every row's prompt -> the logits (B, V) of each first new token; the
     sources that read rankings (and want them now) see the model's best after every prompt token."""
-    readers = [[s for s in row.sources if s.rankings and s.wants_rankings(row.worth_guessing)] for row in rows]
-    k = max((s.rankings for sources in readers for s in sources), default=0)
+    k = rankings_wanted(rows)
     if not k:
         return prefill(model, [row.prompt for row in rows])
     logits, tops = prefill(model, [row.prompt for row in rows], k)
-    for row, sources, top in zip(rows, readers, tops):
-        for source in sources:
+    for row, top in zip(rows, tops):
+        for source in readers(row):
             source.observe_prefill(row, top)
     return logits
