@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,11 +116,11 @@ def print_tables(rows, results, labels, markdown):
     """The summary (one row per decoder) and the speed-up of every prompt, as plain columns or
     as Markdown tables (docs/PERFORMANCE.md)."""
     head = ["decoder", "tokens/s", "steps", "tokens/step", "step cost", "host ms/step", "speed-up", "per prompt: median",
-            "worst", "same as greedy"]
+            "worst", "same as greedy", "draft sources, of the steps' time"]
     body = [[r["config"], f"{r['tokens_per_s']:.1f}", str(r["steps"]), f"{r['tokens_per_step']:.2f}",
              f"{r['step_cost']:.2f}x", f"{r['host_ms_per_step']:.2f}" if r["config"] != "greedy" else "-",
              f"{r['speedup']:.2f}x", f"{statistics.median(r['prompt_speedups']):.2f}x",
-             f"{min(r['prompt_speedups']):.2f}x", "yes" if r["identical"] else "NO"] for r in rows]
+             f"{min(r['prompt_speedups']):.2f}x", "yes" if r["identical"] else "NO", shares(r["sources"])] for r in rows]
     per_head = ["prompt"] + [f"{r['config']}: speed-up, tokens/step" for r in rows[1:]]
     per_body = [[label] + [f"{r['prompt_speedups'][i]:.2f}x, "
                            f"{sum(results[r['config']][i][0].committed) / max(results[r['config']][i][0].steps, 1):.2f}"
@@ -127,6 +128,27 @@ def print_tables(rows, results, labels, markdown):
     for h, b in ((head, body), (per_head, per_body)):
         print_table(h, b, markdown)
         print()
+
+
+def source_seconds(gens) -> tuple[dict, float]:
+    """Each draft source's seconds (propose and observe) summed over these generations, by name,
+    and the seconds of their steps (the prefill left out)."""
+    return merged([(g.source_seconds, g.seconds - g.prefill_seconds) for g in gens])
+
+
+def merged(parts: list[tuple[dict, float]]) -> tuple[dict, float]:
+    """(seconds by source, steps' seconds) pairs summed."""
+    spent = {}
+    for part, _ in parts:
+        for name, seconds in part.items():
+            spent[name] = spent.get(name, 0.0) + seconds
+    return spent, sum(steps for _, steps in parts)
+
+
+def shares(sources: tuple[dict, float]) -> str:
+    """'NGramPool 0.4%, JacobiGuess 0.1%': each source's share of the steps' time."""
+    spent, steps = sources
+    return ", ".join(f"{name} {100 * s / steps:.1f}%" for name, s in spent.items()) if spent and steps else "-"
 
 
 def print_table(head: list[str], body: list[list[str]], markdown: bool):
@@ -236,6 +258,8 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
     names = ["greedy"] + [c.name for c in configs] + list(peers)
     runs = {name: (lambda ids, c=c: lookahead(ids, c)) for name, c in zip(names[1:], configs)}
     answers = []  # one record per answer
+    stop = set(tokenizer.stop_ids)
+    answer_text = lambda gen: tokenizer.decode([t for t in gen.tokens if t not in stop])
     for q in questions:
         messages = []
         for turn, text in enumerate(q["turns"]):
@@ -253,14 +277,39 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
                         gen = timed(lambda: runs[name](ids), device)
                         tokens, steps, secs = gen.tokens, gen.steps, gen.seconds
                     seconds[name].append(secs)
-                    record[name] = dict(tokens=len(tokens), steps=steps, identical=tokens == ref.tokens)
-            record["greedy"] = dict(tokens=len(ref.tokens), steps=ref.steps, identical=True)
+                    record.setdefault(name, {}).update(tokens=len(tokens), steps=steps, identical=tokens == ref.tokens)
+                    if name not in peers and r == 0:  # the first run's answer, sources' seconds, tokens a step
+                        record[name].update(sources=source_seconds([gen]), accept_lengths=gen.committed, text=answer_text(gen))
+            record["greedy"] = dict(tokens=len(ref.tokens), steps=ref.steps, identical=True, accept_lengths=ref.committed,
+                                    text=answer_text(ref))
             for name in names:
                 record[name]["seconds"] = statistics.median(seconds[name])
             answers.append(record)
-            stop = set(tokenizer.stop_ids)
-            messages.append({"role": "assistant", "content": tokenizer.decode([t for t in ref.tokens if t not in stop])})
+            messages.append({"role": "assistant", "content": record["greedy"]["text"]})
     return names, answers
+
+
+def write_answers(folder, names, answers, model_id: str):
+    """One answer file per decoder of ours in Spec-Bench's own format (its evaluation/speed.py
+    reads them): a JSON line per question with question_id, category, answer_id, model_id,
+    tstamp and choices[0]: turns (the answer texts), decoding_steps, new_tokens, wall_time (the
+    median of the repeats, seconds) per turn, and accept_lengths (tokens committed by each step,
+    every turn's)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if "accept_lengths" not in answers[0][name]:
+            continue  # a peer: its steps are not ours to report
+        lines = []
+        for qid in dict.fromkeys(a["question_id"] for a in answers):
+            turns = [a for a in answers if a["question_id"] == qid]
+            choice = dict(index=0, turns=[a[name]["text"] for a in turns], decoding_steps=[a[name]["steps"] for a in turns],
+                          new_tokens=[a[name]["tokens"] for a in turns], wall_time=[a[name]["seconds"] for a in turns],
+                          accept_lengths=[n for a in turns for n in a[name]["accept_lengths"]])
+            lines.append(json.dumps(dict(question_id=qid, category=turns[0]["category"], answer_id=uuid.uuid4().hex,
+                                         model_id=f"{model_id}-{name}", choices=[choice], tstamp=time.time())))
+        (folder / f"{model_id}-{name.replace(':', '-').replace('/', '_').replace(',', '_')}.jsonl").write_text(
+            "\n".join(lines) + "\n")
 
 
 def print_spec_bench(names, answers, markdown, step_costs):
@@ -284,6 +333,8 @@ def print_spec_bench(names, answers, markdown, step_costs):
         body.append(cells)
     print_table(head, body, markdown)
     print()
+    print("draft sources, of the steps' time (propose and observe): " + "; ".join(
+        f"{n}: {shares(merged([a[n]['sources'] for a in answers]))}" for n in names[1:] if "sources" in answers[0][n]))
     context, costs = step_costs
     print(f"step cost on this machine (an eager step after {context} tokens, the least of 9, x a 1-token step): "
           + ", ".join(f"{size} tokens {cost:.2f}x" for size, cost in costs.items()))
@@ -547,6 +598,8 @@ def main(argv=None):
                     help="with --dataset: the first K questions of each category (default 2)")
     ap.add_argument("--no-peers", dest="peers", action="store_false",
                     help="with --dataset or --long: leave out transformers (greedy, prompt lookup, prefill)")
+    ap.add_argument("--answers", default=None, metavar="DIR",
+                    help="with --dataset: write one answer file per decoder in Spec-Bench's format (its speed.py reads them)")
     ap.add_argument("--plot", default=None, metavar="FILE.png", help="with --dataset: draw the table (needs matplotlib)")
     args = ap.parse_args(argv)
     if args.batch < 0 or args.batch == 1 or (args.batch and args.compile):
@@ -605,6 +658,8 @@ def main(argv=None):
                                                        repeats=args.repeats, answers=answers), indent=1))
         if args.plot:
             plot_spec_bench(args.plot, names, categories, summary)
+        if args.answers:
+            write_answers(args.answers, names, answers, Path(path).name)
         return 0 if all(a[n]["identical"] for a in answers for n in names) else 1
 
     # seconds[name][repeat] summed over prompts; greedy and each config alternate per prompt so
@@ -643,7 +698,7 @@ def main(argv=None):
                          tokens_per_s=tokens / secs, speedup=base / secs,
                          host_ms_per_step=1000 * sum(g.host_seconds for g, _ in gens) / max(steps, 1),
                          step_cost=(secs / max(steps, 1)) / (base / max(base_steps, 1)),
-                         identical=all(same for _, same in gens)))
+                         identical=all(same for _, same in gens), sources=source_seconds([g for g, _ in gens])))
     labels = [f"{i + 1} {kind}" for i, kind in enumerate(kinds)]
     print_tables(rows, results, labels, args.markdown)
     if args.json:

@@ -24,6 +24,7 @@ class Generation:
     shapes: list = field(default_factory=list)  # lookahead: each step's Shape
     prefill_seconds: float = 0.0  # of `seconds`: the prompt's forward and the first token
     host_seconds: float = 0.0  # lookahead: of the steps' time, all but the model's forward (host work)
+    source_seconds: dict = field(default_factory=dict)  # lookahead: of it, each draft source's, by name
 
     @property
     def tokens_per_step(self) -> float:
@@ -153,12 +154,13 @@ def switch_rope(model: Transformer, row: int, C: int, sequence: list[int]):
 
 def before_step(model, policy, rows) -> int:
     """The most tokens this step may hold (free cache, the policy's largest size); each row's
-    worth_guessing (drafts.py); longrope's switch (switch_rope)."""
+    worth_guessing and the draft sources the policy asks (drafts.py); longrope's switch
+    (switch_rope)."""
     limit = min(policy.largest, *(step_limit(model, row.C) for row in rows))
     worth_guessing = min(limit, policy.forecast(len(rows))) - 1  # all of a step but `last`
     for j, row in enumerate(rows):
         switch_rope(model, j, row.C, row.prompt + row.tokens)
-        row.worth_guessing = worth_guessing
+        row.worth_guessing, row.asked = worth_guessing, policy.asked(row)
     return limit
 
 

@@ -12,49 +12,64 @@ from decoding import prefill
 
 @dataclass(frozen=True)
 class Candidate:
-    """A chain of guesses continuing `last`, and who made it: `source` names the draft source
-    (the dynamic shape learns how often each source's guesses are right); from_window marks an
-    n-gram the lookahead window made (it credits the window)."""
+    """A chain of guesses continuing `last`, and who made it. `source` is the label the dynamic
+    shape learns it by (how often such guesses are right, per depth and rank); `prior` is the
+    chance its first guess is right before any was seen, stated by the source (worth two
+    observations); from_window marks an n-gram the lookahead window made (it credits the window)."""
     tokens: tuple
     source: str
     from_window: bool = False
+    prior: float = 0.3
 
 
 class DraftSource:
     """Where guesses come from: the contract every draft source keeps. Whatever a source proposes,
     the output stays exactly greedy's (or plain sampling's distribution): verification accepts
     only what the model itself says. A source is made per row (a prompt of the batch): by
-    lookahead_decode(..., drafts=f), f(seq) -> the row's sources in order (default [seq.pool,
+    lookahead_decode(..., drafts=f), f(seq) -> the row's sources (default [seq.pool,
     JacobiGuess()]); from the command line, `--drafts pool,FILE.py:ClassName,jacobi` makes
     ClassName() per row.
 
     When each hook runs, for a row whose state is `seq`:
       - observe_prefill(seq, rankings), once after the prompt's forward, only where `rankings` > 0
-        and wants_rankings(seq.worth_guessing) (it costs the LM head over every prompt token);
-      - before every step, propose(seq, k) -> candidate continuations of seq.tokens[-1] (`last`),
+        and wants_prompt_rankings: the model's best tokens after every prompt token (it costs the
+        LM head over the whole prompt, so it is its own choice, off by default);
+      - before a step, propose(seq, k) -> candidate continuations of seq.tokens[-1] (`last`),
         best first, each a Candidate of at most k guesses (k: what is left before max_new_tokens;
         longer chains are cut). Any number, any length, empty or repeated: the trie merges shared
-        prefixes. A tree of guesses goes as its leaf chains, the best-ranked first;
+        prefixes. A tree of guesses goes as its leaf chains, the best-ranked first. The dynamic
+        shape skips a source's propose on steps where it does not pay for its time (below);
       - after every step, observe(seq, step) with the row's Verified record, seq already holding
         what it committed (step.committed). The prefill's first token comes the same way, as a
-        step with no guesses: every committed token reaches observe exactly once.
+        step with no guesses: every committed token reaches observe exactly once, proposed or not.
 
     What `seq` offers (read only): prompt and tokens (ids; tokens[-1] is `last`), max_new, N,
     pool (the row's NGramPool), and worth_guessing: the most guesses the policy expects the
     coming steps to hold, so that a source whose guesses cost it to make need not make more.
 
-    How the shapes use proposals: the fixed shape (the paper's W, N, G) runs the first G
-    candidates of all sources, in the sources' order, each cut or padded to N-1 guesses, so a
-    source listed after the pool runs only where the pool has fewer than G; list it first to run
-    its best always. The dynamic shape runs the guesses worth their cost, learning per
-    Candidate.source label, depth and rank how often they are right (unknown labels start at
-    0.3).
+    How the shapes use proposals: the fixed shape (the paper's W, N, G) runs the pool's first G
+    candidates (the paper's) and every other source's first one, in the sources' order, each cut
+    or padded to N-1 guesses: no source is left out, and a source's one chain costs N-1 tokens a
+    step. The dynamic shape runs the guesses worth their cost: it learns each Candidate.source
+    label's chance per depth and rank (among that label's guesses under the same parent), from
+    the prior the candidates state, crediting every source that proposed an accepted guess, so
+    the order of the sources changes nothing it learns. It also times each source's propose and
+    observe (bench.py reports them) and asks a source to propose only while the tokens only it
+    got accepted come at least as fast, for its seconds, as the row's tokens come for the step's;
+    a source it stopped asking is asked again after 8, 16, ... steps.
 
     rankings: how many of the model's best next tokens the source reads after every position a
     step reads (Verified.rankings, None unless some source of the row asks) while
-    wants_rankings(seq.worth_guessing) says they are worth reading; 0: none (the default)."""
+    wants_rankings(seq.worth_guessing) says they are worth reading; 0: none (the default).
+    Not to be confused with sampling's top_k: these are read, never sampled from."""
 
     rankings = 0
+    wants_prompt_rankings = False
+
+    @property
+    def name(self) -> str:
+        """How bench.py and Generation.source_seconds name it."""
+        return type(self).__name__
 
     def propose(self, seq, k: int) -> list[Candidate]:
         return []
@@ -78,8 +93,8 @@ def token_back(seq, n: int) -> int:
 # over the prompt (the LM head over every prompt token: docs/PERFORMANCE.md says what it costs).
 
 def readers(row) -> list[DraftSource]:
-    """The row's sources that read the model's rankings now."""
-    return [s for s in row.sources if s.rankings and s.wants_rankings(row.worth_guessing)]
+    """The row's sources that read the model's rankings now (of those asked to propose)."""
+    return [s for s in row.asked if s.rankings and s.wants_rankings(row.worth_guessing)]
 
 
 def rankings_wanted(rows) -> int:
@@ -99,12 +114,14 @@ def predictions(logits, rows):
 
 def prefill_with_rankings(model, rows) -> torch.Tensor:
     """decoding.prefill of every row's prompt -> the logits (B, V) of each first new token; the
-    sources that read rankings (and want them now) see the model's best after every prompt token."""
-    k = rankings_wanted(rows)
+    sources that ask for the prompt's rankings (wants_prompt_rankings, and reading them now) see
+    the model's best after every prompt token."""
+    wanting = [[s for s in readers(row) if s.wants_prompt_rankings] for row in rows]
+    k = max((s.rankings for sources in wanting for s in sources), default=0)
     if not k:
         return prefill(model, [row.prompt for row in rows])
     logits, tops = prefill(model, [row.prompt for row in rows], k)
-    for row, top in zip(rows, tops):
-        for source in readers(row):
+    for row, sources, top in zip(rows, wanting, tops):
+        for source in sources:
             source.observe_prefill(row, top)
     return logits

@@ -267,19 +267,36 @@ class Sequence:
         self.pool = NGramPool(policy.pool_cap)
         for i in range(len(self.prompt) - self.N + 1):
             self.pool.add(self.prompt[i:i + self.N], self.prompt[i - 1] if i else None)
-        self.sources = drafts(self) if drafts else [self.pool, JacobiGuess()]
+        # The sources, the pool's first (the paper's); each step the policy asks some or all of them.
+        self.sources = sorted(drafts(self) if drafts else [self.pool, JacobiGuess()], key=lambda s: s is not self.pool)
+        self.asked, self.jacobi = self.sources, next((s for s in self.sources if isinstance(s, JacobiGuess)), None)
+        self.spent = {s: 0.0 for s in self.sources}  # seconds in each source's hooks (the policy weighs them)
+        self.made_by = {}  # Candidate.source label -> the source that proposed it
         self.worth_guessing = 0  # guesses the coming steps are expected to hold (set before each step)
 
     @property
     def done(self) -> bool:
         return len(self.tokens) >= self.max_new or bool(self.tokens) and self.tokens[-1] in self.stop
 
-    def propose(self) -> list[Candidate]:
-        """Every draft source's candidates in the sources' order, none past max_new_tokens."""
-        k = self.max_new - len(self.tokens) - 1
-        if k <= 0:
-            return []
-        return [replace(c, tokens=tuple(c.tokens[:k])) for s in self.sources for c in s.propose(self, k) if c.tokens]
+    def propose(self, policy) -> list[Candidate]:
+        """The asked sources' candidates in the sources' order, as many of each as the policy
+        takes, none past max_new_tokens."""
+        k, out = self.max_new - len(self.tokens) - 1, []
+        for source in self.asked if k > 0 else ():
+            start = time.perf_counter()
+            for c in source.propose(self, k)[:policy.takes(source is self.pool)]:
+                if c.tokens:
+                    out.append(replace(c, tokens=tuple(c.tokens[:k])))
+                    self.made_by[c.source] = source
+            self.spent[source] += time.perf_counter() - start
+        return out
+
+    def observed(self, step):
+        """Every source sees the step (asked this step or not); its seconds counted."""
+        for source in self.sources:
+            start = time.perf_counter()
+            source.observe(self, step)
+            self.spent[source] += time.perf_counter() - start
 
     def inputs(self, tree: Tree, w: int, size: int):
         """step_inputs with w window columns (a new one starts from a random prompt token)."""
@@ -301,8 +318,7 @@ class Sequence:
         # 7. Commit, stopping exactly where greedy would; then every draft source sees the step.
         committed = self.commit([tree.tokens[v] for v in path] + [bonus])
         step = Verified(tree, w, read, pred, rankings, path, committed, slots, shape, window, pooled)
-        for source in self.sources:
-            source.observe(self, step)
+        self.observed(step)
         self.out.steps += 1
         self.out.committed.append(len(committed))
         self.out.shapes.append(shape)
@@ -344,7 +360,7 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
     limit = before_step(model, policy, rows)  # the most tokens a step may hold: cache and policy
     # 1. Propose: every source's candidates (the pool's n-grams that start with `last`, the
     #    Jacobi guess), merged into the trie.
-    trees = [Tree(row.tokens[-1], row.propose()) for row in rows]
+    trees = [Tree(row.tokens[-1], row.propose(policy)) for row in rows]
     # 2. Plan: the policy picks the guesses and window columns each row runs, padded to one size
     #    T of a small menu (1, 2, 4, ... tokens): the paper's W, N, G (FixedShape) or measured.
     plans = policy.plan(rows, trees, limit)
@@ -398,6 +414,9 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram
         keep = drop_finished(model, active, lambda b: rows[b].done, [row.out for row in rows],
                              max(rows[b].C for b in active), start)
         if not keep:
+            for row in rows:  # of the host work, each source's (by name)
+                for source, seconds in row.spent.items():
+                    row.out.source_seconds[source.name] = row.out.source_seconds.get(source.name, 0.0) + seconds
             return [row.out for row in rows]
         active = [active[j] for j in keep]
         lookahead_step(model, policy, [rows[b] for b in active], on_step and (lambda j, s: on_step(active[j], s)))
@@ -454,9 +473,7 @@ def start_rows(model, rows: list[Sequence], sampling: Sampling, worth_guessing: 
         row.out.prefill_seconds = time.perf_counter() - start
         kept = row.commit(first[b:b + 1])
         # The sources see the first token as a step with no guesses: every committed token once.
-        step = Verified(Tree(row.prompt[-1]), 0, [row.prompt[-1]], first[b:b + 1], None, [], kept, [])
-        for source in row.sources:
-            source.observe(row, step)
+        row.observed(Verified(Tree(row.prompt[-1]), 0, [row.prompt[-1]], first[b:b + 1], None, [], kept, []))
         on_tokens and on_tokens(b, kept)
 
 

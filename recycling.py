@@ -53,6 +53,8 @@ TEMPLATE = [tuple(int(r) for r in path) for path in """
 class TokenRecycling(DraftSource):
     """The model's recycled top-k predictions as candidates; see the module docstring."""
 
+    wants_prompt_rankings = True  # its table starts from the prompt's
+
     def __init__(self, template=TEMPLATE):
         self.template = template  # rank paths, each after its prefix
         self.rankings = 1 + max(max(path) for path in template)  # how many of the model's best it reads

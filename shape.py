@@ -21,6 +21,7 @@ from model import STEP_SIZES, step_size
 
 # The dynamic shape's limits: window columns, pooled n-grams per key, tokens per step.
 MAX_WINDOW, MAX_CANDIDATES, MAX_STEP = 16, 16, STEP_SIZES[-1]
+JACOBI_PRIOR = 0.3  # the Jacobi guess's candidates state Candidate's default prior
 
 
 @dataclass
@@ -50,16 +51,26 @@ def shape_policy(model, window, ngram, candidates, costs):
 
 
 class FixedShape:
-    """The paper's policy: every step the first G candidates, each cut or padded to N-1 guesses
-    (padded with its last token: a slot's cost, never exactness), and the whole window, W columns
-    x N-1 levels. Near the end of the cache the window sits out and the trie shrinks to what fits."""
+    """The paper's policy: every step the pool's first G candidates and every other source's
+    first one (Sequence.propose takes as many of each as `takes` says), each cut or padded to
+    N-1 guesses (padded with its last token: a slot's cost, never exactness), and the whole
+    window, W columns x N-1 levels: 1 + (W + G + other sources) x (N-1) tokens a step. Where the
+    cache ends, or past the menu's largest size, the window sits out and the trie is cut to fit."""
 
     def __init__(self, W: int, N: int, G: int):
         if W < 0 or G < 0:
             raise ValueError(f"need window >= 0 and candidates >= 0 (got {W}, {G})")
         self.W, self.N, self.G = W, N, G
         self.pool_cap = max(G, 8) if G else 0  # a few n-grams per key even for a small G, to rank from
-        self.largest = step_size(1 + (W + G) * (N - 1))  # last, the window and every candidate's guesses
+        self.paper_step = step_size(1 + (W + G) * (N - 1))  # `last`, the window and the pool's G candidates
+        self.largest = MAX_STEP
+
+    def takes(self, pooled: bool) -> int:
+        """How many of a source's candidates a step runs: the pool's G, every other source's best."""
+        return self.G if pooled else 1
+
+    def asked(self, row) -> list:
+        return row.sources  # every source, every step
 
     def plan(self, rows, trees, limit: int) -> list[tuple]:
         """For every row: (the trie to verify, window columns, Shape), within `limit` tokens."""
@@ -68,9 +79,9 @@ class FixedShape:
     def plan_row(self, row, tree, limit: int):
         K = min(self.N - 1, row.max_new - len(row.tokens) - 1)  # the guesses a candidate may make
         cut = [c if len(c.tokens) == K else replace(c, tokens=(c.tokens + c.tokens[-1:] * K)[:K])
-               for c in tree.candidates[:self.G]]
-        if len(cut) < len(tree.candidates) or any(a is not b for a, b in zip(cut, tree.candidates)):
-            tree = type(tree)(tree.tokens[0], cut)  # a new trie only where a candidate was cut, padded or left out
+               for c in tree.candidates]
+        if any(a is not b for a, b in zip(cut, tree.candidates)):
+            tree = type(tree)(tree.tokens[0], cut)  # a new trie only where a candidate was cut or padded
         L = len(row.window) or 1  # a window starts with one level
         w = self.W if step_size(len(tree) + self.W * L) <= limit else 0
         if step_size(len(tree) + w * L) > limit:
@@ -78,7 +89,7 @@ class FixedShape:
         return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
 
     def forecast(self, B: int) -> int:
-        return self.largest
+        return self.paper_step
 
     def observe(self, rows, steps, T: int, seconds: float):
         pass  # the same shape every step, whatever happened
@@ -91,7 +102,7 @@ class DynamicShape:
 
     def __init__(self, N: int, model, costs: "StepCosts | None" = None):
         self.N, self.model, self.fixed_costs = N, model, costs
-        self.pool_cap, self.acceptance = MAX_CANDIDATES, {}  # row -> its Acceptance
+        self.pool_cap, self.acceptance, self.ledgers = MAX_CANDIDATES, {}, {}  # row -> its Acceptance, SourceLedger
         size = step_size(1 + (MAX_WINDOW + MAX_CANDIDATES) * (N - 1))
         self.largest = min(MAX_STEP, 2 * size)
 
@@ -103,14 +114,71 @@ class DynamicShape:
     def forecast(self, B: int) -> int:
         return min(self.largest, self.costs(B).forecast())
 
+    def takes(self, pooled: bool) -> None:
+        return None  # every candidate: the plan keeps those worth their cost
+
+    def asked(self, row) -> list:
+        return self.ledgers.setdefault(row, SourceLedger(row.sources)).asked()
+
     def plan(self, rows, trees, limit: int) -> list[tuple]:
-        return choose_shape([(tree, self.acceptance.setdefault(row, Acceptance()), len(row.window) or 1, MAX_WINDOW)
-                             for row, tree in zip(rows, trees)], self.costs(len(rows)), limit)
+        return choose_shape([(tree, self.acceptance.setdefault(row, Acceptance()), len(row.window) or 1, MAX_WINDOW,
+                               row.jacobi in row.asked) for row, tree in zip(rows, trees)], self.costs(len(rows)), limit)
 
     def observe(self, rows, steps, T: int, seconds: float):
         for row, step in zip(rows, steps):
             self.acceptance[row].record(step.tree, step.path, step.w)
+            self.ledgers[row].record(row, step, seconds)
         self.costs(len(rows)).record(T, seconds)
+
+
+class SourceLedger:
+    """Whether each of a row's draft sources pays for its own time. Over 4 steps in which it was
+    asked: the seconds of its propose and observe (s), and the accepted guesses that only it
+    proposed (g: what the row would have missed without it), against the steps' seconds (S) and
+    the row's committed tokens (n). Without the source those steps would have committed about
+    n - g tokens in S - s seconds; where that rate is the higher, it is not asked for the next
+    8 steps, then 16, 32, ... (up to 512) while it keeps failing. A source whose seconds are
+    under 2% of the steps' always runs: its guesses compete for a step's slots through
+    Acceptance instead."""
+
+    WINDOW, SHARE, FIRST_REST, LONGEST_REST = 4, 0.02, 8, 512
+
+    def __init__(self, sources):
+        self.sources = sources
+        self.rest = {s: 0 for s in sources}  # steps left before it is asked again
+        self.backoff = {s: self.FIRST_REST for s in sources}
+        self.spent_before = {s: 0.0 for s in sources}  # its seconds so far, at the last step
+        self.window = {s: [0, 0.0, 0.0, 0, 0] for s in sources}  # steps, its seconds, steps' seconds, row's tokens, its own
+
+    def asked(self) -> list:
+        return [s for s in self.sources if not self.rest[s]]
+
+    def record(self, row, step, seconds: float):
+        own = Counter()  # accepted guesses that one source alone proposed
+        makers = {}
+        for node, (label, *_), _ in labelled(step.tree, {0, *step.path}):
+            makers.setdefault(node, set()).add(row.made_by[label])
+        for node in step.path:
+            if len(makers[node]) == 1:
+                own[next(iter(makers[node]))] += 1
+        for s in self.sources:
+            spent, self.spent_before[s] = row.spent[s] - self.spent_before[s], row.spent[s]
+            if self.rest[s]:
+                self.rest[s] -= 1
+                continue
+            w = self.window[s]
+            w[:] = w[0] + 1, w[1] + spent, w[2] + seconds, w[3] + len(step.committed), w[4] + own[s]
+            if w[0] == self.WINDOW:
+                self.judge(s, *w[1:])
+                w[:] = 0, 0.0, 0.0, 0, 0
+
+    def judge(self, s, seconds: float, step_seconds: float, tokens: int, gain: int):
+        if seconds <= self.SHARE * step_seconds:
+            return  # too cheap to slow the row down
+        if tokens / step_seconds < (tokens - gain) / max(step_seconds - seconds, 1e-9):
+            self.rest[s], self.backoff[s] = self.backoff[s], min(2 * self.backoff[s], self.LONGEST_REST)
+        else:
+            self.backoff[s] = self.FIRST_REST
 
 
 class StepCosts:
@@ -179,39 +247,28 @@ STEP_COSTS = weakref.WeakKeyDictionary()
 
 
 class Acceptance:
-    """How often a guess was right when its parent was, in this request, per (source, depth,
-    rank among its siblings): the probability a dynamic step gives each guess. Starts from a
-    prior worth two observations: a pooled n-gram seen after the same token as now ("pool2") 0.5,
-    another pooled one or the Jacobi guess 0.3, a source it does not know 0.3 too; each further
-    sibling half its elder's."""
-
-    PRIOR = {"pool2": 0.5, "pool1": 0.3, "jacobi": 0.3}
-    UNKNOWN_PRIOR = 0.3
+    """How often a guess was right when its parent was, in this request, per (source label,
+    depth, rank among that label's guesses under the same parent): the probability a dynamic
+    step gives each guess. Starts from the prior its candidate states (Candidate.prior, worth two
+    observations), halved for each elder sibling of the same label. A guess that several sources
+    proposed is credited to each of them, and worth the best of their estimates: the order in
+    which the sources are listed changes nothing learned."""
 
     def __init__(self):
         self.hits, self.trials = Counter(), Counter()
         self.window_tokens = 0  # tokens committed through n-grams the window made
         self.window_columns = 0  # window columns run, summed over steps
 
-    @staticmethod
-    def key(tree, node: int):
-        """(source of the first candidate through it, depth, rank among its siblings), capped."""
-        rank = list(tree.children[tree.parent[node]].values()).index(node)
-        return tree.candidates[tree.origin[node]].source, min(tree.depth[node], 4), min(rank, 2)
-
-    def p(self, key) -> float:
-        source, _, rank = key
-        prior = self.PRIOR.get(source, self.UNKNOWN_PRIOR) / 2 ** rank
+    def p(self, key, prior: float) -> float:
+        prior /= 2 ** key[2]
         return (self.hits[key] + 2 * prior) / (self.trials[key] + 2)
 
     def record(self, tree, path: list[int], w: int):
         """After a step: every guess whose parent was accepted was tested; those on the path hit."""
         on_path = set(path)
-        for v in [0] + path:
-            for child in tree.children[v].values():
-                key = self.key(tree, child)
-                self.trials[key] += 1
-                self.hits[key] += child in on_path
+        for node, key, _ in labelled(tree, {0, *path}):
+            self.trials[key] += 1
+            self.hits[key] += node in on_path
         self.window_tokens += sum(tree.candidates[tree.origin[v]].from_window for v in path)
         self.window_columns += w
 
@@ -221,28 +278,50 @@ class Acceptance:
         return (self.window_tokens + 1.0) / (self.window_columns + 50)
 
 
-def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limit: int):
+def labelled(tree, parents=None):
+    """Every (guess, source label) pair of a lookahead.Tree once, as (node, key, prior), key =
+    (label, depth, rank among the nodes under the same parent that this label reaches, in its
+    candidates' order); only the children of `parents` where given."""
+    seen, siblings = set(), {}
+    for candidate in tree.candidates:
+        v, label = 0, candidate.source
+        for tok in candidate.tokens:
+            if parents is not None and v not in parents:
+                break
+            child = tree.children[v][tok]
+            if (child, label) not in seen:
+                seen.add((child, label))
+                rank = siblings[v, label] = siblings.get((v, label), -1) + 1
+                yield child, (label, tree.depth[child], rank), candidate.prior
+            v = child
+
+
+def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limit: int, jacobi: bool = True):
     """What a step of each size of the menu (up to limit) is worth to one row: {size: (expected
     tokens, n guesses, w window columns)} for the best step that fits in it, and the guesses in
     order of value (the best n are order[:n]).
 
     A guess is worth its chance to be accepted: the product of its ancestors' chances to be
-    right given their parents (Acceptance). The best-ranked candidate's guesses are worth more:
-    when it is rejected near its start, its rows become the next step's Jacobi guess, so each
-    also carries the chance that the guess it leaves is accepted then. A child is never worth
+    right given their parents (Acceptance). Where the row has a Jacobi guess (`jacobi`), the
+    likeliest candidate's guesses are worth more: when it is rejected near its start, its rows
+    become the next step's Jacobi guess (keep puts it first), so each also carries the chance
+    that the guess it leaves is accepted then. A child is never worth
     more than its parent, so the best k guesses for k slots are the k most valuable, and
     a step of size T with w columns of L levels expects
         1 + (the value of its T-1-w*L best guesses) + w * (what a window column yields)
     tokens. Every window width is tried; what fits in a size fits, padded, in the next."""
+    right = [0.0] * len(tree)  # each guess's chance to be right if its parent is: its best source's
+    for node, key, prior in labelled(tree):
+        right[node] = max(right[node], acceptance.p(key, prior))
     chance = [1.0] * len(tree)
     for i in range(1, len(tree)):  # parents come before children
-        chance[i] = chance[tree.parent[i]] * acceptance.p(acceptance.key(tree, i))
+        chance[i] = chance[tree.parent[i]] * right[i]
     value = chance[:]
-    if tree.children[0]:  # the best-ranked candidate also leaves the next step's Jacobi guess
-        first = tree.first_chain(next(iter(tree.children[0].values())))
+    if jacobi and tree.children[0]:  # the likeliest candidate also leaves the next step's Jacobi guess
+        first = tree.first_chain(max(tree.children[0].values(), key=lambda v: chance[v]))
         rejected, reach = 1 - chance[first[0]], 1.0
         for depth, i in enumerate(first, 1):
-            reach *= acceptance.p(("jacobi", min(depth, 4), 0))
+            reach *= acceptance.p(("jacobi", depth, 0), JACOBI_PRIOR)
             value[i] += rejected * reach
     order = sorted(range(1, len(tree)), key=lambda i: (-value[i], tree.depth[i]))
     prefix = [0.0]
@@ -267,9 +346,9 @@ def choose_shape(rows, costs: StepCosts, limit: int) -> list[tuple]:
     """The dynamic policy: the step size T that maximises the expected committed tokens per
     second, i.e. the sum over the batch's rows of what a step of size T is worth to each
     (step_values), over what it costs (costs.estimate(T)); then each row's best guesses and
-    window columns within T. rows: (tree, acceptance, window levels, max window) for each.
-    Returns each row's (trie of the guesses kept, window columns, Shape)."""
-    values = [step_values(tree, acc, levels, max_window, limit) for tree, acc, levels, max_window in rows]
+    window columns within T. rows: (tree, acceptance, window levels, max window, has a Jacobi
+    guess) for each. Returns each row's (trie of the guesses kept, window columns, Shape)."""
+    values = [step_values(*row[:4], limit, row[4]) for row in rows]
     cheapest = min((c for s in (1, 2) if (c := costs.estimate(s))), default=1.0)
     rate, T, size = 0.0, 1, 1  # `last` alone, should a cost model offer no size at all
     while size <= limit:
@@ -278,7 +357,7 @@ def choose_shape(rows, costs: StepCosts, limit: int) -> list[tuple]:
             rate, T = sum(best[size][0] for _, best in values) / cost, size
         size *= 2
     shapes = []
-    for (tree, _, levels, _), (order, best) in zip(rows, values):
+    for (tree, _, levels, *_), (order, best) in zip(rows, values):
         expected, n, w = best[T]
         shape = Shape(w, levels if w else 0, n, T, expected, (costs.estimate(T) or cheapest) / cheapest)
         shapes.append((keep(tree, order[:n]), w, shape))
@@ -286,11 +365,14 @@ def choose_shape(rows, costs: StepCosts, limit: int) -> list[tuple]:
 
 
 def keep(tree, nodes):
-    """The sub-trie of these nodes of a lookahead.Tree (closed under parents), rebuilt from its
-    candidates in their order, so each node keeps the first candidate through it: a step cut
-    to the guesses it can hold."""
+    """The sub-trie of these nodes of a lookahead.Tree (closed under parents), best first:
+    rebuilt from its candidates in the order of their first guesses in `nodes` (the order of
+    value, or of the trie), so the first child of `last` is the best guess, and each node keeps
+    the first candidate through it: a step cut to the guesses it can hold."""
     kept_nodes, out = set(nodes) | {0}, type(tree)(tree.tokens[0])
-    for candidate in tree.candidates:
+    place = {v: i for i, v in enumerate(nodes)}
+    first = lambda c: place.get(tree.children[0][c.tokens[0]], len(place)) if c.tokens else len(place)
+    for candidate in sorted(tree.candidates, key=first):
         v, kept = 0, []
         for tok in candidate.tokens:
             v = tree.children[v][tok]
