@@ -47,16 +47,17 @@ class DraftSource:
     pool (the row's NGramPool), and worth_guessing: the most guesses the policy expects the
     coming steps to hold, so that a source whose guesses cost it to make need not make more.
 
-    How the shapes use proposals: the fixed shape (the paper's W, N, G) runs the pool's first G
-    candidates (the paper's) and every other source's first one, in the sources' order, each cut
-    or padded to N-1 guesses: no source is left out, and a source's one chain costs N-1 tokens a
-    step. The dynamic shape runs the guesses worth their cost: it learns each Candidate.source
-    label's chance per depth and rank (among that label's guesses under the same parent), from
-    the prior the candidates state, crediting every source that proposed an accepted guess, so
-    the order of the sources changes nothing it learns. It also times each source's propose and
-    observe (bench.py reports them) and asks a source to propose only while the tokens only it
-    got accepted come at least as fast, for its seconds, as the row's tokens come for the step's;
-    a source it stopped asking is asked again after 8, 16, ... steps.
+    How the shapes use proposals (the pool's come first, then the other sources' in their
+    order): the fixed shape (the paper's W, N, G) runs the pool's first G candidates (the
+    paper's) and every other source's first one, each cut or padded to N-1 guesses: no source is
+    left out, and each costs N-1 tokens a step. The dynamic shape runs the guesses worth their
+    cost: it learns each Candidate.source label's chance per depth and rank (among that label's
+    guesses under the same parent), from the prior the candidates state, crediting every source
+    that proposed an accepted guess, so the order of the sources changes nothing it learns. It
+    also times each source's propose and observe (bench.py reports them) and stops asking a
+    source whose seconds would buy more tokens as plain steps than the accepted guesses only it
+    proposed (shape.SourceLedger, judged every 4 steps it runs; asked again after 8, 16, ...
+    steps). A source under 2% of the steps' time is always asked.
 
     rankings: how many of the model's best next tokens the source reads after every position a
     step reads (Verified.rankings, None unless some source of the row asks) while

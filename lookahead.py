@@ -76,8 +76,8 @@ class NGramPool(DraftSource):
         entries = [(rest, before in seen, win) for rest, (seen, win) in reversed(self.by_key.get(key, {}).items())]
         return [e for e in entries if e[1]] + [e for e in entries if not e[1]]
 
-    def propose(self, seq, k):  # "pool2": seen after the token before `last` too; "pool1": not
-        return [Candidate(rest[:k], "pool2" if after else "pool1", win)
+    def propose(self, seq, k):  # "pool2": seen after the token before `last` too (likelier); "pool1": not
+        return [Candidate(rest[:k], "pool2", win, prior=0.5) if after else Candidate(rest[:k], "pool1", win, prior=0.3)
                 for rest, after, win in self.ranked(seq.tokens[-1], token_back(seq, 2))]
 
 

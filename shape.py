@@ -1,15 +1,17 @@
 """The policies: what each step runs, the paper's fixed shape or one chosen per step.
 
-A policy has three calls: plan(rows, trees, limit) -> for every row the trie of guesses to
-verify, the window columns to run and the step's Shape, within `limit` tokens; observe(rows,
-steps, T, seconds) after the step; forecast(B) -> the step size it expects to run soon (draft
-sources whose guesses cost to make need guess no further). FixedShape is the paper's (W, N, G
-every step). DynamicShape chooses per step: lookahead decoding
-verifies any guesses exactly, and what it should guess depends on what a step costs on this
-device and on how often guesses like these were right. choose_shape maximises the expected
+A policy answers five calls: asked(row) -> the draft sources that propose this step, and
+takes(pooled) -> how many candidates of each it runs (None: all); plan(rows, trees, limit) ->
+for every row the trie of guesses to verify, the window columns to run and the step's Shape,
+within `limit` tokens; observe(rows, steps, T, seconds) after the step; forecast(B) -> the step
+size it expects to run soon (draft sources whose guesses cost to make need guess no further).
+FixedShape is the paper's (W, N, G every step). DynamicShape chooses per step: lookahead
+decoding verifies any guesses exactly, and what it should guess depends on what a step costs on
+this device and on how often guesses like these were right. choose_shape maximises the expected
 committed tokens per second from two online estimates: StepCosts (seconds per step size,
-measured) and Acceptance (how often each source's guesses were right in this request). The
-guesses come as lookahead.Tree tries of lookahead.Candidate chains.
+measured) and Acceptance (how often each source's guesses were right in this request); a
+SourceLedger weighs what each source's own seconds buy. The guesses come as lookahead.Tree
+tries of drafts.Candidate chains.
 """
 import math
 import statistics
@@ -296,29 +298,37 @@ def labelled(tree, parents=None):
             v = child
 
 
-def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limit: int, jacobi: bool = True):
-    """What a step of each size of the menu (up to limit) is worth to one row: {size: (expected
-    tokens, n guesses, w window columns)} for the best step that fits in it, and the guesses in
-    order of value (the best n are order[:n]).
-
-    A guess is worth its chance to be accepted: the product of its ancestors' chances to be
-    right given their parents (Acceptance). Where the row has a Jacobi guess (`jacobi`), the
-    likeliest candidate's guesses are worth more: when it is rejected near its start, its rows
-    become the next step's Jacobi guess (keep puts it first), so each also carries the chance
-    that the guess it leaves is accepted then. A child is never worth
-    more than its parent, so the best k guesses for k slots are the k most valuable, and
-    a step of size T with w columns of L levels expects
-        1 + (the value of its T-1-w*L best guesses) + w * (what a window column yields)
-    tokens. Every window width is tried; what fits in a size fits, padded, in the next."""
-    right = [0.0] * len(tree)  # each guess's chance to be right if its parent is: its best source's
+def chances(tree, acceptance: Acceptance) -> list[float]:
+    """Each guess's chance to be accepted: the product down the trie of each node's chance to be
+    right if its parent is (the best estimate among the sources that proposed it)."""
+    right = [0.0] * len(tree)
     for node, key, prior in labelled(tree):
         right[node] = max(right[node], acceptance.p(key, prior))
     chance = [1.0] * len(tree)
     for i in range(1, len(tree)):  # parents come before children
         chance[i] = chance[tree.parent[i]] * right[i]
+    return chance
+
+
+def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limit: int, jacobi: bool = True):
+    """What a step of each size of the menu (up to limit) is worth to one row: {size: (expected
+    tokens, n guesses, w window columns)} for the best step that fits in it, and the guesses in
+    order of value (the best n are order[:n]).
+
+    A guess is worth its chance to be accepted (chances). Where the row has a Jacobi guess
+    (`jacobi`), the first candidate's guesses (the pool's best, where it has one) are worth more:
+    when it is rejected near its start, its rows become the next step's Jacobi guess (the bonus
+    makes it the most valuable, and keep puts it first), so each also carries the chance that
+    the guess it leaves is accepted then. (Measured on the built-in prompts under fixed cost
+    tables: 265 steps against 275 with the bonus on the likeliest candidate instead.) A child is never worth more
+    than its parent, so the best k guesses for k slots are the k most valuable, and a step of
+    size T with w columns of L levels expects
+        1 + (the value of its T-1-w*L best guesses) + w * (what a window column yields)
+    tokens. Every window width is tried; what fits in a size fits, padded, in the next."""
+    chance = chances(tree, acceptance)
     value = chance[:]
-    if jacobi and tree.children[0]:  # the likeliest candidate also leaves the next step's Jacobi guess
-        first = tree.first_chain(max(tree.children[0].values(), key=lambda v: chance[v]))
+    if jacobi and tree.children[0]:  # the first candidate also leaves the next step's Jacobi guess
+        first = tree.first_chain(next(iter(tree.children[0].values())))
         rejected, reach = 1 - chance[first[0]], 1.0
         for depth, i in enumerate(first, 1):
             reach *= acceptance.p(("jacobi", depth, 0), JACOBI_PRIOR)

@@ -476,8 +476,8 @@ def test_a_source_that_is_never_right_costs_the_others_almost_nothing(shape, fir
 
 def test_the_dynamic_shape_stops_asking_a_dear_source_that_does_not_pay_and_keeps_one_that_does():
     # The ledger (shape.SourceLedger) weighs a source's own seconds: one that sleeps and is never
-    # right is asked on few steps; one that sleeps less than a forward and is always right, on
-    # every step. The output is greedy's either way.
+    # right is asked on few steps; one that sleeps and is always right (its ~15 tokens a step
+    # would cost 15 plain steps) on every step. The output is greedy's either way.
     model = random_model(seed=4, vocab_size=32)
     prompt = [int(t) for t in torch.randint(0, 32, (16,), generator=torch.Generator().manual_seed(4))]
     truth = greedy_decode(model, prompt, 120).tokens
@@ -493,7 +493,7 @@ def test_the_dynamic_shape_stops_asking_a_dear_source_that_does_not_pay_and_keep
             time.sleep(0.0003)
             return super().propose(seq, k)
     oracle = []
-    drafts = lambda seq: oracle.append(SlowOracle(truth, 32)) or [seq.pool, oracle[-1]]
+    drafts = lambda seq: oracle.append(SlowOracle(truth, 32)) or [oracle[-1]]  # alone: its tokens are its own
     got = lookahead_decode(model, prompt, 120, drafts=drafts, costs=StepCosts.flat(16))
     assert got.tokens == truth and oracle[0].asked == got.steps
 
@@ -625,8 +625,8 @@ def test_the_dynamic_step_verifies_the_likeliest_guesses():
     # A trie, the acceptance so far and a cost model where 4 tokens cost what 1 does and 8 are
     # dear: the step must take the 3 guesses whose values sum highest, found here by brute force
     # over every set closed under parents. A guess is worth its chance (the product down the
-    # trie, from the priors the candidates state); the likeliest candidate's also carry the
-    # chance that the Jacobi guess they leave when rejected is accepted next step.
+    # trie, from the priors the candidates state); the first candidate's also carry the chance
+    # that the Jacobi guess they leave when rejected is accepted next step.
     from itertools import combinations
     tree = Tree(last=0)
     for chain, source, prior in [((1, 2), "x", 0.6), ((5,), "y", 0.5), ((7,), "z", 0.45), ((1, 3), "x", 0.6)]:
@@ -643,11 +643,11 @@ def test_the_dynamic_step_verifies_the_likeliest_guesses():
     for i in range(1, len(tree)):
         chance[i] = chance[tree.parent[i]] * right[i]
     value = chance[:]
-    likeliest = max(tree.children[0].values(), key=lambda v: chance[v])  # the Jacobi guess follows it
+    first = next(iter(tree.children[0].values()))  # the first candidate's: the Jacobi guess follows it
     reach = 1.0
-    for depth, i in enumerate(tree.first_chain(likeliest), 1):
+    for depth, i in enumerate(tree.first_chain(first), 1):
         reach *= acceptance.p(("jacobi", depth, 0), 0.3)
-        value[i] += (1 - chance[likeliest]) * reach
+        value[i] += (1 - chance[first]) * reach
     closed = [c for c in combinations(range(1, len(tree)), 3) if all(tree.parent[i] in c + (0,) for i in c)]
     best = max(closed, key=lambda c: sum(value[i] for i in c))
     assert best != max(closed, key=lambda c: sum(chance[i] for i in c))  # the Jacobi value matters here
