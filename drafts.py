@@ -53,7 +53,8 @@ class DraftSource:
     left out, and each costs N-1 tokens a step. The dynamic shape runs the guesses worth their
     cost: it learns each Candidate.source label's chance per depth and rank (among that label's
     guesses under the same parent), from the prior the candidates state, crediting every source
-    that proposed an accepted guess, so the order of the sources changes nothing it learns. It
+    that proposed an accepted guess, so the order of the sources changes nothing it learns (the
+    Jacobi guess's bonus alone follows the first candidate, the pool's best where it has one). It
     also times each source's propose and observe (bench.py reports them) and stops asking a
     source whose seconds would buy more tokens as plain steps than the accepted guesses only it
     proposed (shape.SourceLedger, judged every 4 steps it runs; asked again after 8, 16, ...

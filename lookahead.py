@@ -358,7 +358,7 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
     """One forward for every row: the eight parts of the module docstring."""
     start = time.perf_counter()
     limit = before_step(model, policy, rows)  # the most tokens a step may hold: cache and policy
-    # 1. Propose: every source's candidates (the pool's n-grams that start with `last`, the
+    # 1. Propose: the asked sources' candidates (the pool's n-grams that start with `last`, the
     #    Jacobi guess), merged into the trie.
     trees = [Tree(row.tokens[-1], row.propose(policy)) for row in rows]
     # 2. Plan: the policy picks the guesses and window columns each row runs, padded to one size
