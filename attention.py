@@ -80,12 +80,15 @@ def merge(a, b):
     return torch.lerp(out_b.to(wide), out_a.to(wide), torch.sigmoid(lse_a - lse_b))
 
 
-def step_masks(positions, committed, block, lo: int, hi: int, dtype, window=None):
+def step_masks(positions, committed, block, lo: int, hi: int, dtype, window=None, groups=1):
     """What a call's tokens attend to in the layers of one kind (window: a sliding layer's
-    width), as (own, prefix) for model.Attention: built once a forward, shared by those layers.
+    width), as (own, prefix) for model.Attention: built once a forward, in the dtype the kernels
+    read, shared by those layers.
 
     own: None (causal), False (a one-token step: its slot is read with the committed ones), or
-    an additive (B, 1, T, T) mask. prefix: None, or (start, end, mask) over cache slots
+    an additive (B, 1, groups * T, T) mask: the T x T mask once for each of the `groups` query
+    heads that share a K/V head, as Attention folds them into one query of groups * T rows (so
+    that no layer copies K or V for its grouped heads). prefix: None, or (start, end, mask) over cache slots
     [start, end): one entry a row and slot (B, 1, 1, S), or none at all when every row sees every
     slot read; a sliding layer's band (keys at q_pos - window < p <= q_pos) is per token, a bool
     (B, 1, 1, T, S)."""
@@ -95,7 +98,7 @@ def step_masks(positions, committed, block, lo: int, hi: int, dtype, window=None
         keep = torch.ones(B, T, T, dtype=torch.bool, device=positions.device).tril() if block is None else block
         if window:
             keep = keep & (positions[:, :, None] - positions[:, None, :] < window)
-        own = additive(keep, dtype)[:, None]  # (B, 1, T, T)
+        own = additive(keep.repeat(1, groups, 1), dtype)[:, None]  # (B, 1, groups * T, T)
     if committed is None or hi == 0:
         return own, None
     end = hi

@@ -2,9 +2,10 @@
 
 Each layer's K and V are buffers of its Attention, (rows, n_kv_heads, slots, head_dim): a row
 per sequence of a batch, slot s holding the token at position s of that row. A decoding step
-writes its tokens' K/V right after a row's committed slots; the rollback then moves the
-accepted ones down to follow the committed ones, and whatever it did not keep lies past the
-committed length, overwritten by the next step. Nothing is reallocated, nothing concatenated.
+writes its tokens' K/V right after a row's committed slots; the roll back then moves the
+accepted ones down to follow the committed ones (the next step's forward does it, in every layer
+before it reads the cache), and whatever it did not keep lies past the committed length,
+overwritten by the next step. Nothing is reallocated, nothing concatenated.
 """
 import torch
 
@@ -45,16 +46,15 @@ class KVCache:
                 cache[:n, :, :used] = cache[index, :, :used]  # gathered first, then written
             attn.k_cache, attn.v_cache = attn.k_cache[:n], attn.v_cache[:n]
 
-    def rollback(self, moves: list[list[int]]):
-        """Row b's accepted tokens have their K/V in slots moves[b], in order: move them to follow
-        one another from slot moves[b][0], one gather and scatter per layer for all rows. Rows
-        with fewer moves repeat their last one (a no-op)."""
-        if all(m == list(range(m[0], m[0] + len(m))) for m in moves):
-            return  # already in place
+    def rollback(self, moves: list[list[tuple[int, int]]]):
+        """Copy row b's K/V from slot `from` to slot `to` for each (from, to) of moves[b], in every
+        layer: one gather and scatter per layer for all rows. A lookahead step's forward does the
+        same for the step before (model.Attention, `moves`); this is for when no forward follows."""
         n, dev = max(map(len, moves)), self.attentions[0].k_cache.device
-        src = [m + m[-1:] * (n - len(m)) for m in moves]
-        dst = [list(range(m[0], m[0] + len(m))) + [m[0] + len(m) - 1] * (n - len(m)) for m in moves]
-        src, dst = torch.tensor([src, dst], device=dev)  # (B, n) each
+        if not n:
+            return
+        pairs = torch.tensor([m + [(0, 0)] * (n - len(m)) for m in moves], device=dev)  # (B, n, 2); (0, 0): a no-op
+        src, dst = pairs[..., 0], pairs[..., 1]
         rows = torch.arange(len(moves), device=dev)[:, None]
         for attn in self.attentions:
             for cache in (attn.k_cache, attn.v_cache):

@@ -142,7 +142,7 @@ def step_limit(model: Transformer, C: int) -> int:
     return min(model.cache.slots - C, switch - C if switch is not None and C < switch else model.cache.slots)
 
 
-def switch_rope(model: Transformer, row: int, C: int, sequence: list[int]):
+def switch_rope(model: Transformer, row: int, C: int, sequence: list[int]) -> bool:
     """Phi-3's longrope rotates a sequence longer than its original context with other factors,
     all of its tokens. transformers' greedy decoding drops its cache at the step where the
     sequence grows past that length and runs it whole; here the row's committed tokens and its
@@ -150,6 +150,8 @@ def switch_rope(model: Transformer, row: int, C: int, sequence: list[int]):
     exactly those keys. Steps before that keep their positions before the switch (step_limit)."""
     if C == rope_switch(model):
         run_prompt(model, sequence, row)
+        return True
+    return False
 
 
 def before_step(model, policy, rows) -> int:
@@ -159,7 +161,8 @@ def before_step(model, policy, rows) -> int:
     limit = min(policy.largest, *(step_limit(model, row.C) for row in rows))
     worth_guessing = min(limit, policy.forecast(len(rows))) - 1  # all of a step but `last`
     for j, row in enumerate(rows):
-        switch_rope(model, j, row.C, row.prompt + row.tokens)
+        if switch_rope(model, j, row.C, row.prompt + row.tokens):
+            row.moves = []  # every committed slot written anew: nothing to roll back
         row.worth_guessing, row.asked = worth_guessing, policy.asked(row)
     return limit
 

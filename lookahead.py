@@ -273,6 +273,7 @@ class Sequence:
         self.spent = {s: 0.0 for s in self.sources}  # seconds in each source's hooks (the policy weighs them)
         self.made_by = {}  # Candidate.source label -> the source that proposed it
         self.worth_guessing = 0  # guesses the coming steps are expected to hold (set before each step)
+        self.moves = []  # the last step's roll back, (from, to) cache slots, done by the next forward
 
     @property
     def done(self) -> bool:
@@ -310,6 +311,7 @@ class Sequence:
         """6 and 7, once verification accepted `path` and `bonus`; the K/V to keep (8) are in
         `slots`: `last`'s, then each accepted node i's, in slot C + i."""
         slots = [self.C] + [self.C + v for v in path]
+        self.moves = [(s, d) for d, s in enumerate(slots, start=self.C) if s != d]  # 8, for the next forward
         self.C += len(slots)
         window = [level[:w] for level in self.window] if w else []
         read = tree.tokens + (window[-1] if w else [])
@@ -368,7 +370,8 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
     # 3. Inputs: each row's [trie | window | padding], every token at its own position, under one
     #    mask that gives it exactly its trajectory's context.
     parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(rows, plans)]
-    # 4. Forward: one model call; the logits of the positions read only.
+    # 4. Forward: one model call; the logits of the positions read only. It first rolls back
+    #    the step before (8), whose indices travel with this step's inputs.
     inputs = pack_inputs(model, rows, parts, T)
     forward = time.perf_counter()
     logits = model.step(*inputs)  # (B, R, V)
@@ -380,8 +383,9 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
              for j, (row, (tree, w, shape)) in enumerate(zip(rows, plans))]
     # 8. Roll back: the step wrote K/V for all T tokens; the accepted ones' are exactly what a
     #    one-token-at-a-time run writes (same tokens, positions, context), so they move down next
-    #    to `last`, and the rest, past the committed length, is overwritten by the next step.
-    model.cache.rollback([step.slots for step in steps])
+    #    to `last` (row.moves), and the rest, past the committed length, is overwritten by the
+    #    next step. The next forward moves them in every layer before it reads the cache: no
+    #    launches, no host-to-device copy of their own.
     seconds = time.perf_counter() - start
     policy.observe(rows, steps, T, seconds)
     for row in rows:
@@ -411,6 +415,8 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram
     start_rows(model, rows, sampling, policy.forecast(len(rows)) - 1, start, on_tokens)
     active = list(range(len(rows)))  # the rows still decoding, in the cache's row order
     while True:
+        if any(rows[b].done for b in active):
+            settle(model, [rows[b] for b in active])  # before rows leave the cache, and at the end
         keep = drop_finished(model, active, lambda b: rows[b].done, [row.out for row in rows],
                              max(rows[b].C for b in active), start)
         if not keep:
@@ -442,17 +448,35 @@ def pack_inputs(model, rows: list[Sequence], parts: list, T: int):
     """The step's inputs, built on the host and sent in ONE host-to-device copy (one a tensor
     would be a sync point each on a GPU): every row's ints (int64) then every row's mask (bytes),
     viewed on the device as tokens (B, T), positions (B, T), committed (B, 1), the in-step mask
-    (B, T, T) and the positions read (B, R); and the span of committed lengths (host)."""
+    (B, T, T), the span of committed lengths (host), the positions read (B, R) and the step
+    before's roll back, (B, 2, M) slots (from, to), padded with slot 0 onto itself (None: none)."""
     B, R = len(rows), max(len(read) for *_, read in parts)
+    M = max(len(row.moves) for row in rows)
+    if model.compiled is not None and M:
+        if M > model.compiled.MOVES:  # more than its graph takes: done eagerly, once
+            settle(model, rows)
+        M = model.compiled.MOVES if M else 0
     ints = array("q")
     for row, (tokens, offsets, _, read) in zip(rows, parts):
-        ints.extend(tokens + offsets + read + read[:1] * (R - len(read)) + [row.C])
+        moves = row.moves + [(0, 0)] * (M - len(row.moves))
+        ints.extend(tokens + offsets + read + read[:1] * (R - len(read)) + [row.C] + [s for s, _ in moves] +
+                    [d for _, d in moves])
+        row.moves = []
     packed = torch.frombuffer(bytearray(ints.tobytes()) + b"".join(block for *_, block, _ in parts), dtype=torch.uint8)
     packed = packed.to(model.device)
-    tokens, offsets, read, C = packed[:8 * len(ints)].view(torch.int64).view(B, -1).split((T, T, R, 1), dim=1)
+    tokens, offsets, read, C, moves = packed[:8 * len(ints)].view(torch.int64).view(B, -1).split((T, T, R, 1, 2 * M), 1)
     block = packed[8 * len(ints):].view(torch.bool).view(B, T, T)
     span = min(row.C for row in rows), max(row.C for row in rows)
-    return tokens, C + offsets, C, block, span, read
+    return tokens, C + offsets, C, block, span, read, moves.view(B, 2, M) if M else None
+
+
+def settle(model, rows: list[Sequence]):
+    """Roll back the rows' last step now, eagerly (rows are leaving the cache, or the request
+    ends): what the next forward would have done."""
+    if any(row.moves for row in rows):
+        model.cache.rollback([row.moves for row in rows])
+    for row in rows:
+        row.moves = []
 
 
 def verify(row: Sequence, tree: Tree, pred: list[int], logits) -> tuple[list[int], int]:

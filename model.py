@@ -152,13 +152,15 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x, cos, sin, own, prefix, slots, rows):
-        """own: how this call's tokens see one another: None = causally, an additive (B, 1, T, T)
-        mask (a step's block, a band past a sliding window), or False = through the prefix (a
-        one-token step: its slot is read with the committed ones). prefix: None, or (start, end,
-        mask): the cache slots [start, end) they also see, under an additive (B, 1, 1, S) mask
-        (one entry a row and slot) or None, or in a sliding layer a bool (B, 1, 1, T, S) band
-        (attention.step_masks builds them). rows: this call's rows of the cache (a slice)."""
+    def forward(self, x, cos, sin, own, prefix, slots, rows, moves=None):
+        """own: how this call's tokens see one another: None = causally, an additive
+        (B, 1, g * T, T) mask (a step's block, a band past a sliding window; once per grouped
+        head), or False = through the prefix (a one-token step: its slot is read with the
+        committed ones). prefix: None, or (start, end, mask): the cache slots [start, end) they
+        also see, under an additive (B, 1, 1, S) mask (one entry a row and slot) or None, or in a
+        sliding layer a bool (B, 1, 1, T, S) band (attention.step_masks builds them). rows: this
+        call's rows of the cache (a slice). moves: the previous step's roll back, (B, 2, M) cache
+        slots (from, to) of each row, done here before anything reads or writes the cache."""
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         g = H // Hkv  # grouped-query attention: K/V head j serves query heads j*g .. (j+1)*g - 1
@@ -170,8 +172,12 @@ class Attention(nn.Module):
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, hd)
         k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, hd)
         v = qkv[:, :, H + Hkv:].transpose(1, 2)
+        batch = torch.arange(B, device=x.device)[:, None]  # (B, 1)
+        if moves is not None:  # the accepted K/V of the step before, next to its committed ones
+            for cache in (self.k_cache[rows], self.v_cache[rows]):
+                cache[batch, :, moves[:, 1]] = cache[batch, :, moves[:, 0]]  # gathered first: overlaps are safe
         if slots is not None:  # keep this call's K/V: token t of row b in slot slots[b, t] of its cache row
-            index = (torch.arange(B, device=x.device)[:, None], slice(None), slots)  # as (B, T, Hkv, hd)
+            index = (batch, slice(None), slots)  # as (B, T, Hkv, hd)
             self.k_cache[rows][index] = k.transpose(1, 2)  # a view of the buffer, written in place
             self.v_cache[rows][index] = v.transpose(1, 2)
         if own is None and prefix is None:  # a whole prompt: SDPA's causal kernel, memory linear in T
@@ -190,9 +196,12 @@ class Attention(nn.Module):
         Hkv = self.n_kv_heads
         g = H // Hkv
         parts = []  # (out (B, H, T, hd), lse (B, H, T, 1)) of each part
-        if own is not False:  # this call's tokens: their own K/V, repeated for the grouped heads (T x hd each)
+        if own is None:  # causal (a prompt's chunk): its K/V repeated for the grouped heads
             parts.append(attention_with_lse(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), self.scale,
-                                            own, causal=own is None))
+                                            causal=True))
+        elif own is not False:  # a step: the g heads of a K/V head as one query of g*T rows, under own's g masks
+            out, lse = attention_with_lse(q.reshape(B, Hkv, g * T, hd), k, v, self.scale, own)
+            parts.append((out.reshape(B, H, T, hd), lse.reshape(B, H, T, 1)))
         if prefix is not None:
             start, end, mask = prefix
             kc, vc = self.k_cache[rows, :, start:end], self.v_cache[rows, :, start:end]  # views, (B, Hkv, S, hd)
@@ -230,8 +239,8 @@ class Block(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
-    def forward(self, x, cos, sin, own, prefix, slots, rows):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, own, prefix, slots, rows)
+    def forward(self, x, cos, sin, own, prefix, slots, rows, moves=None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, own, prefix, slots, rows, moves)
         if not self.sandwich:
             x = x + h
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -303,7 +312,7 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def forward(self, tokens, positions=None, committed=None, block=None, span=None, read=None, cache_row=None,
-                prompt_end=None, check=True, head=True):
+                prompt_end=None, check=True, head=True, moves=None):
         """tokens (B, T) -> logits (B, T, vocab).
 
         Without `committed`: causal among these tokens alone, at positions 0..T-1 unless given (B, T)
@@ -321,6 +330,10 @@ class Transformer(nn.Module):
         prompt_end: the last position of the prompt a chunk belongs to (longrope's factors follow it).
         check: raise if a position reaches the model's context (one host sync; step() skips it).
         head=False: the final normed hidden states (B, T, dim) instead, to read logits in pieces.
+        moves: (B, 2, M) cache slots, row b's K/V in slot moves[b, 0, i] copied to slot
+        moves[b, 1, i] in every layer before this call reads the cache: a lookahead step's roll
+        back, done by the next forward (its indices travel with that step's inputs, and a
+        compiled step does it inside its graph).
         """
         B, T = tokens.shape
         dev = tokens.device
@@ -337,7 +350,7 @@ class Transformer(nn.Module):
         if self.args.embed_scale != 1.0:
             x = x * self.embed_scale.to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, *(local if self.slides and self.slides[i] else full), slots, rows)
+            x = layer(x, *(local if self.slides and self.slides[i] else full), slots, rows, moves)
         if read is not None:
             x = x[:, read] if read.dim() == 1 else x[torch.arange(B, device=dev)[:, None], read]
         return self.lm_head(self.norm(x)) if head else self.norm(x)
@@ -349,21 +362,23 @@ class Transformer(nn.Module):
         if block is None:  # a prompt: longrope takes one set of factors for all of it
             last = (positions.amax(-1, keepdim=True) if prompt_end is None
                     else positions.new_full((positions.shape[0], 1), prompt_end))  # (B, 1)
-        full = (*self.rope(positions, self.dtype, last=last), *step_masks(positions, committed, block, lo, hi, self.dtype))
+        g = self.args.n_heads // self.args.n_kv_heads  # query heads a K/V head serves: its mask rows, repeated
+        full = (*self.rope(positions, self.dtype, last=last), *step_masks(positions, committed, block, lo, hi, self.dtype,
+                                                                          groups=g))
         if not self.slides:
             return full, full
         local = (*(self.rope(positions, self.dtype, local=True) if self.rope.local_inv_freq is not None else full[:2]),
-                 *step_masks(positions, committed, block, lo, hi, self.dtype, self.args.sliding_window))
+                 *step_masks(positions, committed, block, lo, hi, self.dtype, self.args.sliding_window, g))
         return full, local
 
-    def step(self, tokens, positions, committed, block, span, read=None):
+    def step(self, tokens, positions, committed, block, span, read=None, moves=None):
         """One decoding step of B rows: forward(tokens (B, T), positions (B, T), committed (B, 1),
-        block (B, T, T), span) -> logits (B, R, V) at `read` (B, R). A compiled size replays its
-        graph (CompiledStep); anything else runs eagerly."""
+        block (B, T, T), span, moves (B, 2, M) or None) -> logits (B, R, V) at `read` (B, R). A
+        compiled size replays its graph (CompiledStep); anything else runs eagerly."""
         if self.compiled is not None and tokens.shape[1] in self.compiled.sizes:
-            return self.compiled(tokens, positions, committed, block, span, read)
+            return self.compiled(tokens, positions, committed, block, span, read, moves)
         # The decoders size every step to fit the cache (<= the context): no sync to check positions.
-        return self(tokens, positions, committed, block, span, read=read, check=False)
+        return self(tokens, positions, committed, block, span, read=read, check=False, moves=moves)
 
     def compile_steps(self, sizes, cache_len=None, log=None):
         """Compile the step for these sizes now (CompiledStep), over a cache of cache_len slots."""
@@ -411,7 +426,12 @@ class CompiledStep:
     committed length (cache_bucket), so one graph a size serves every bucket; CUDA records one
     replay per bucket, the first time it comes up. Warmed up under inference_mode, as the
     decoders run: a graph is specialised on it. The logits it returns are the graph's own
-    buffers, overwritten by the next replay: read them before the next step."""
+    buffers, overwritten by the next replay: read them before the next step.
+
+    Every step takes the step before's roll back as MOVES (from, to) slot pairs (padded with a
+    slot copied onto itself): inside the graph, never a launch of its own per layer."""
+
+    MOVES = 16  # accepted guesses a step's roll back moves inside the graph (more: a graph of their own)
 
     @torch.inference_mode()
     def __init__(self, model: Transformer, sizes, cache_len=None, log=None):
@@ -424,6 +444,7 @@ class CompiledStep:
         mode = "reduce-overhead" if dev.type == "cuda" else None
         self.step = torch.compile(self.bucketed_step, fullgraph=True, dynamic=True, mode=mode)
         width = cache_bucket(1, slots)
+        self.still = torch.zeros(1, 2, self.MOVES, dtype=torch.long, device=dev)  # no moves: slot 0 onto itself
         for T in sizes:
             start = time.perf_counter()
             idx = torch.arange(T, device=dev)[None]  # (1, T)
@@ -432,17 +453,18 @@ class CompiledStep:
             # guarded on the two being one tensor would be compiled again at the first request.
             for _ in range(3 if mode else 1):  # CUDA graphs record on the second or third call
                 self.step(torch.zeros(1, T, dtype=torch.long, device=dev), 1 + idx,
-                          torch.ones(1, 1, dtype=torch.long, device=dev), block, width)
+                          torch.ones(1, 1, dtype=torch.long, device=dev), block, self.still.clone(), width)
             log and log(f"compiled the {T}-token step in {time.perf_counter() - start:.1f} s")
         self.sizes = tuple(sizes)
 
-    def bucketed_step(self, tokens, positions, committed, block, width):
+    def bucketed_step(self, tokens, positions, committed, block, moves, width):
         """The compiled function: every position's logits, reading cache slots [0, width)."""
-        return self.model(tokens, positions, committed, block, (0, width), check=False)
+        return self.model(tokens, positions, committed, block, (0, width), check=False, moves=moves)
 
-    def __call__(self, tokens, positions, committed, block, span, read=None):
+    def __call__(self, tokens, positions, committed, block, span, read=None, moves=None):
         # A graph is specialised on its inputs' strides too, and on which of them are one tensor:
         # fresh contiguous copies, as at the warm-up (a few small copies a step).
-        inputs = [t.clone(memory_format=torch.contiguous_format) for t in (tokens, positions, committed, block)]
+        moves = self.still if moves is None else moves
+        inputs = [t.clone(memory_format=torch.contiguous_format) for t in (tokens, positions, committed, block, moves)]
         logits = self.step(*inputs, cache_bucket(span[1], self.model.cache.slots))
         return logits if read is None else logits[torch.arange(len(read), device=read.device)[:, None], read]

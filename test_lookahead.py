@@ -12,6 +12,8 @@ from unittest import mock
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import FAMILY_OPTIONS, assert_matches_reference, random_model, write_checkpoint, write_tokenizer
 from model import Transformer
@@ -521,6 +523,102 @@ def test_rollback_leaves_the_cache_of_a_greedy_run():
     ours = model.cache.kv()[..., :committed, :].clone()  # every layer's K and V
     assert greedy_decode(model, prompt, 40).tokens == got.tokens
     torch.testing.assert_close(ours, model.cache.kv()[..., :committed, :], rtol=0, atol=1e-12)
+
+
+class HostWork(TorchFunctionMode):
+    """Counts, per lookahead step (or per call of whatever it wraps), what would be a host sync
+    on a GPU (a tensor read to the host, a host tensor sent to the device), and every aten op
+    outside and inside model.step (each a kernel launch on a GPU, eagerly)."""
+
+    READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.syncs, self.outside, self.inside, self.in_step = [], [], [], False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name, kwargs = getattr(func, "__name__", ""), kwargs or {}
+        sent = name in ("to", "cuda") and any(isinstance(a, (str, torch.device)) for a in (*args[1:], kwargs.get("device")))
+        if name in self.READS or sent or (name == "tensor" and kwargs.get("device") is not None):
+            self.syncs[-1] += 1
+        return func(*args, **kwargs)
+
+    def count_ops(self):
+        mode = self
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                (mode.inside if mode.in_step else mode.outside)[-1][func.__name__.split(".")[0]] += 1
+                return func(*args, **(kwargs or {}))
+        return Ops()
+
+    def wrap(self, model, step_function):
+        """step_function counted per call; model.step's ops apart."""
+        forward = model.step
+
+        def step(*args, **kwargs):
+            self.in_step = True
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.in_step = False
+
+        def counted(*args, **kwargs):
+            self.syncs.append(0)
+            self.outside.append(Counter())
+            self.inside.append(Counter())
+            with self, self.count_ops():
+                return step_function(*args, **kwargs)
+        model.step = step
+        return counted
+
+
+def test_a_greedy_step_syncs_once_and_a_lookahead_step_twice():
+    # On a GPU every read of a device tensor on the host, and every host tensor sent, waits for
+    # the device. A greedy step reads its tokens (one sync); a lookahead step sends its inputs
+    # in one packed copy, the step before's roll back among them, and reads its predictions.
+    import lookahead
+    model = random_model(seed=7, vocab_size=8)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    greedy = []
+    for n in (10, 30):
+        counter = HostWork()
+        with counter:
+            counter.syncs.append(0)
+            steps = greedy_decode(model, prompt, n).steps
+        greedy.append((counter.syncs[0], steps))
+    (s1, n1), (s2, n2) = greedy
+    assert (s2 - s1) / (n2 - n1) == 1
+    for shape in ({}, dict(window=4, ngram=4, candidates=4)):
+        counter = HostWork()
+        with mock.patch.object(lookahead, "lookahead_step", counter.wrap(model, lookahead.lookahead_step)):
+            got = lookahead_decode(model, prompt, 40, **shape)
+        del model.step
+        assert max(got.committed) > 2 and counter.syncs == [2] * got.steps, counter.syncs
+
+
+def test_a_steps_work_outside_the_forward_does_not_grow_with_layers_nor_inside_it_per_layer_copies():
+    # The roll back runs inside the next forward (its indices in the packed copy): outside
+    # model.step a step runs the same ops whatever the number of layers (the eager roll back
+    # was 4 a layer). Inside, what a layer adds is its own work: the step's mask is built once
+    # a forward in the dtype the kernel reads (no mask op a layer), and grouped heads read K/V
+    # in place (no repeat of K or V a layer).
+    import lookahead
+    outside, per_layer = [], []
+    for layers in (1, 3):
+        model = random_model(seed=8, vocab_size=8, n_layers=layers, n_heads=4, n_kv_heads=2)  # grouped: g = 2
+        counter, moved = HostWork(), []
+        with mock.patch.object(lookahead, "lookahead_step", counter.wrap(model, lookahead.lookahead_step)):
+            lookahead_decode(model, [1, 2, 3, 1, 2, 3, 1, 2], 40, window=4, ngram=4, candidates=4,
+                             on_step=lambda s: moved.append(s.slots != list(range(s.slots[0], s.slots[0] + len(s.slots)))))
+        assert any(moved[:-1])  # roll backs that move K/V, done by the next step
+        outside.append({sum(c.values()) for c in counter.outside})
+        per_layer.append(counter.inside[-1])
+    # The same few ops a step (one view more where moves travel), whatever the layers.
+    assert max(outside[0]) == max(outside[1]) and all(max(o) - min(o) <= 1 for o in outside), outside
+    grown = {op for op in per_layer[1] if per_layer[1][op] != per_layer[0][op]}
+    assert grown and not grown & {"masked_fill", "masked_fill_", "repeat", "repeat_interleave", "index_select",
+                                  "zeros", "full", "constant_pad_nd"}, grown
 
 
 def test_stop_inside_an_accepted_ngram():
