@@ -379,7 +379,7 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
     forward = time.perf_counter() - forward
     # 5 to 7. Verify: the longest chain the model agrees with, plus its next token; then the
     #    window's update and the commit (Sequence.advance).
-    steps = [row.advance(tree, w, pred[j], rankings[j], *verify(row, tree, pred[j], logits[j]), shape)
+    steps = [row.advance(tree, w, pred[j], rankings[j], *verify(row, tree, pred[j], logits, j), shape)
              for j, (row, (tree, w, shape)) in enumerate(zip(rows, plans))]
     # 8. Roll back: the step wrote K/V for all T tokens; the accepted ones' are exactly what a
     #    one-token-at-a-time run writes (same tokens, positions, context), so they move down next
@@ -459,15 +459,16 @@ def pack_inputs(model, rows: list[Sequence], parts: list, T: int):
     ints = array("q")
     for row, (tokens, offsets, _, read) in zip(rows, parts):
         moves = row.moves + [(0, 0)] * (M - len(row.moves))
-        ints.extend(tokens + offsets + read + read[:1] * (R - len(read)) + [row.C] + [s for s, _ in moves] +
-                    [d for _, d in moves])
+        ints.extend(tokens + [row.C + o for o in offsets] + read + read[:1] * (R - len(read)) + [row.C] +
+                    [s for s, _ in moves] + [d for _, d in moves])
         row.moves = []
     packed = torch.frombuffer(bytearray(ints.tobytes()) + b"".join(block for *_, block, _ in parts), dtype=torch.uint8)
-    packed = packed.to(model.device)
-    tokens, offsets, read, C, moves = packed[:8 * len(ints)].view(torch.int64).view(B, -1).split((T, T, R, 1, 2 * M), 1)
+    if model.device.type != "cpu":  # (each tensor op a step costs the host ~10-30 us after a CPU's forward)
+        packed = packed.to(model.device)
+    tokens, positions, read, C, moves = packed[:8 * len(ints)].view(torch.int64).view(B, -1).split((T, T, R, 1, 2 * M), 1)
     block = packed[8 * len(ints):].view(torch.bool).view(B, T, T)
     span = min(row.C for row in rows), max(row.C for row in rows)
-    return tokens, C + offsets, C, block, span, read, moves.view(B, 2, M) if M else None
+    return tokens, positions, C, block, span, read, moves.view(B, 2, M) if M else None
 
 
 def settle(model, rows: list[Sequence]):
@@ -479,12 +480,13 @@ def settle(model, rows: list[Sequence]):
         row.moves = []
 
 
-def verify(row: Sequence, tree: Tree, pred: list[int], logits) -> tuple[list[int], int]:
+def verify(row: Sequence, tree: Tree, pred: list[int], logits, j: int) -> tuple[list[int], int]:
     """5. Verify the guesses against the model's own choices (greedy: its argmax; sampling: a
-    rejection test that keeps plain sampling's distribution, sampling.verify_sampled)."""
+    rejection test on row j's logits that keeps plain sampling's distribution,
+    sampling.verify_sampled)."""
     if row.sampling.greedy:
         return verify_greedy(tree, pred)
-    return verify_sampled(tree, row.sampling.probs(logits[:len(tree)]), row.rng, row.gen)
+    return verify_sampled(tree, row.sampling.probs(logits[j, :len(tree)]), row.rng, row.gen)
 
 
 def start_rows(model, rows: list[Sequence], sampling: Sampling, worth_guessing: int, start: float, on_tokens=None):

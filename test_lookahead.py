@@ -525,6 +525,9 @@ def test_rollback_leaves_the_cache_of_a_greedy_run():
     torch.testing.assert_close(ours, model.cache.kv()[..., :committed, :], rtol=0, atol=1e-12)
 
 
+FROMBUFFER = torch.frombuffer
+
+
 class HostWork(TorchFunctionMode):
     """Counts, per lookahead step (or per call of whatever it wraps), what would be a host sync
     on a GPU (a tensor read to the host, a host tensor sent to the device), and every aten op
@@ -539,9 +542,14 @@ class HostWork(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name, kwargs = getattr(func, "__name__", ""), kwargs or {}
         sent = name in ("to", "cuda") and any(isinstance(a, (str, torch.device)) for a in (*args[1:], kwargs.get("device")))
+        sent = sent and not (name == "to" and args[0].device == torch.device(args[1] if len(args) > 1 else kwargs["device"]))
         if name in self.READS or sent or (name == "tensor" and kwargs.get("device") is not None):
             self.syncs[-1] += 1
         return func(*args, **kwargs)
+
+    def frombuffer(self, *args, **kwargs):  # a step's one packed copy: sent to the device unless it is the CPU
+        self.syncs[-1] += 1
+        return FROMBUFFER(*args, **kwargs)
 
     def count_ops(self):
         mode = self
@@ -567,7 +575,7 @@ class HostWork(TorchFunctionMode):
             self.syncs.append(0)
             self.outside.append(Counter())
             self.inside.append(Counter())
-            with self, self.count_ops():
+            with self, self.count_ops(), mock.patch.object(torch, "frombuffer", self.frombuffer):
                 return step_function(*args, **kwargs)
         model.step = step
         return counted
