@@ -17,9 +17,12 @@ equal greedy's (they must: "yes"). Prints a table and the machine it ran on. Wit
 each decoder one prompt at a time vs B prompts per batch (tokens/s over all prompts, and whether
 every row equals its one-by-one output).
 With --dataset spec-bench: Spec-Bench's questions turn by turn, per category and overall, with
-transformers' greedy generate and prompt lookup decoding in the same run where it is installed.
+transformers' greedy generate and prompt lookup decoding in the same run where it is installed;
+--warm adds each configuration again, warm: a drafts.Memory carried through the questions in
+file order (each timed repeat starts from what the answers before it left, never from its own).
 """
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -34,6 +37,7 @@ import torch
 
 from cli import DTYPES, build_default_model, drafts_from, resolve_model
 from decoding import greedy_decode, greedy_decode_batch
+from drafts import Memory
 from lookahead import lookahead_decode, lookahead_decode_batch
 from shape import StepCosts
 from model import STEP_SIZES, Transformer
@@ -255,8 +259,10 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
     identity with it on every answer."""
     questions = spec_bench_questions(args.per_category)
     peers = transformers_peers(path, device, model.dtype, args.max_new_tokens, tokenizer.stop_ids) if args.peers else {}
-    names = ["greedy"] + [c.name for c in configs] + list(peers)
-    runs = {name: (lambda ids, c=c: lookahead(ids, c)) for name, c in zip(names[1:], configs)}
+    ours = [(c.name, c, False) for c in configs] + [(f"{c.name}+warm", c, True) for c in configs if args.warm]
+    names = ["greedy"] + [name for name, *_ in ours] + list(peers)
+    memories = {name: Memory() for name, _, warm in ours if warm}  # what the answers so far left, per warm decoder
+    runs = {name: (lambda ids, memory=None, c=c: lookahead(ids, c, memory=memory)) for name, c, _ in ours}
     answers = []  # one record per answer
     stop = set(tokenizer.stop_ids)
     answer_text = lambda gen: tokenizer.decode([t for t in gen.tokens if t not in stop])
@@ -267,6 +273,7 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
             ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
             record = dict(question_id=q["question_id"], category=q["category"], turn=turn + 1, prompt_tokens=len(ids))
             seconds = {name: [] for name in names}
+            after = {}  # each warm decoder's memory after its first repeat: the next answer's
             for r in range(args.repeats):
                 ref = timed(lambda: greedy(ids), device)
                 seconds["greedy"].append(ref.seconds)
@@ -274,8 +281,10 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
                     if name in peers:
                         tokens, steps, secs = peers[name](ids)
                     else:
-                        gen = timed(lambda: runs[name](ids), device)
+                        memory = copy.deepcopy(memories[name]) if name in memories else None
+                        gen = timed(lambda: runs[name](ids, memory), device)
                         tokens, steps, secs = gen.tokens, gen.steps, gen.seconds
+                        after.setdefault(name, memory)
                     seconds[name].append(secs)
                     record.setdefault(name, {}).update(tokens=len(tokens), steps=steps, identical=tokens == ref.tokens)
                     if name not in peers and r == 0:  # the first run's answer, sources' seconds, tokens a step
@@ -284,6 +293,7 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
                                     text=answer_text(ref))
             for name in names:
                 record[name]["seconds"] = statistics.median(seconds[name])
+            memories.update(after)
             answers.append(record)
             messages.append({"role": "assistant", "content": record["greedy"]["text"]})
     return names, answers
@@ -598,10 +608,14 @@ def main(argv=None):
                     help="with --dataset: the first K questions of each category (default 2)")
     ap.add_argument("--no-peers", dest="peers", action="store_false",
                     help="with --dataset or --long: leave out transformers (greedy, prompt lookup, prefill)")
+    ap.add_argument("--warm", action="store_true",
+                    help="with --dataset: each configuration again, with a memory kept across the questions in order")
     ap.add_argument("--answers", default=None, metavar="DIR",
                     help="with --dataset: write one answer file per decoder in Spec-Bench's format (its speed.py reads them)")
     ap.add_argument("--plot", default=None, metavar="FILE.png", help="with --dataset: draw the table (needs matplotlib)")
     args = ap.parse_args(argv)
+    if (args.warm or args.answers) and not args.dataset:
+        ap.error("--warm and --answers go with --dataset spec-bench")
     if args.batch < 0 or args.batch == 1 or (args.batch and args.compile):
         ap.error("--batch takes B >= 2, and runs uncompiled (a compiled model decodes one sequence at a time)")
 
@@ -630,8 +644,8 @@ def main(argv=None):
     def greedy(ids):
         return greedy_decode(model, ids, n_new, stop)
 
-    def lookahead(ids, cfg):  # costs: the dynamic shape's (a fixed one has none)
-        return lookahead_decode(model, ids, n_new, stop_ids=stop, costs=costs, **dict(cfg.options))
+    def lookahead(ids, cfg, memory=None):  # costs: the dynamic shape's (a fixed one has none)
+        return lookahead_decode(model, ids, n_new, stop_ids=stop, costs=costs, memory=memory, **dict(cfg.options))
 
     command = "python bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"{'' if args.markdown else '# '}`{command}`: {machine(device)}, {str(dtype).removeprefix('torch.')}, "

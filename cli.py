@@ -16,7 +16,7 @@ import torch
 
 from decoding import Generation, Sampling, greedy_decode, greedy_decode_batch, sample_decode
 from explain import explain_step
-from drafts import DraftSource
+from drafts import DraftSource, Memory
 from lookahead import JacobiGuess, lookahead_decode, lookahead_decode_batch
 from checkpoint import check_device_dtype
 from model import Transformer
@@ -325,7 +325,7 @@ def run_batch(args, model, tokenizer, prompts, stop_ids) -> int:
             gens = lookahead_decode_batch(model, prompts, args.max_new_tokens, window=args.window, ngram=args.ngram,
                                           candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
                                           temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                          drafts=args.draft_sources)
+                                          drafts=args.draft_sources, memory=Memory())  # the rows share theirs
         runs.append((greedy, gens, time.perf_counter() - start))
     stop = set(stop_ids)
     for i, (ids, gen) in enumerate(zip(prompts, runs[-1][1])):

@@ -3,6 +3,7 @@
 lookahead.py has the paper's source, the n-gram pool, and this project's Jacobi guess;
 recycling.py has token recycling. Every one of them keeps the contract of DraftSource below.
 """
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,10 @@ class DraftSource:
       - after every step, observe(seq, step) with the row's Verified record, seq already holding
         what it committed (step.committed). The prefill's first token comes the same way, as a
         step with no guesses: every committed token reaches observe exactly once, proposed or not.
+
+    A source that learns from the model's output may keep it across requests: remember(memory)
+    runs first where the caller passed a Memory (below), and the source then reads and writes
+    the memory's tables instead of its own.
 
     What `seq` offers (read only): prompt and tokens (ids; tokens[-1] is `last`), max_new, N,
     pool (the row's NGramPool), and worth_guessing: the most guesses the policy expects the
@@ -84,6 +89,41 @@ class DraftSource:
 
     def observe_prefill(self, seq, rankings: list[list[int]]):
         """The model's `rankings` best tokens after every prompt token."""
+
+    def remember(self, memory: "Memory"):
+        """Where the request passed a Memory: keep what this source learns there (shared with
+        the batch's other rows and later requests), once, before any other hook."""
+
+
+class Memory:
+    """What draft sources learn from the model's own output, kept across the requests (and the
+    rows of a batch) that pass the same Memory: the n-gram pool's n-grams and token recycling's
+    rankings. Opt-in (lookahead_decode(..., memory=Memory())); without one, every row starts
+    empty and forgets when it ends. Output is exactly greedy's either way: memory changes what is
+    guessed, never what is accepted. What it does leak is timing: a request runs faster when text
+    like it was decoded before with the same Memory, so callers who must not learn about each
+    other's text must not share one.
+
+    Bounded: at most `keys` first tokens (pool) and `keys` contexts (recycling), the least
+    recently used dropped first; each key holds at most the pool's cap of n-grams."""
+
+    def __init__(self, keys: int = 1 << 16):
+        self.ngrams = Recent(keys)  # the pool's: first token -> {rest: [tokens before it, from window?]}
+        self.rankings = Recent(keys)  # recycling's: token, or (token, token after it) -> the model's best after it
+
+
+class Recent(OrderedDict):
+    """A dict of at most `limit` keys that forgets the least recently written first."""
+
+    def __init__(self, limit: int | None = None):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        if self.limit is not None and len(self) > self.limit:
+            self.popitem(last=False)
 
 
 def token_back(seq, n: int) -> int:

@@ -55,10 +55,14 @@ class NGramPool(DraftSource):
         self.cap = cap
         self.by_key: dict[int, OrderedDict] = {}  # first token -> {rest: [tokens before it, from window?]}
 
+    def remember(self, memory):
+        self.by_key = memory.ngrams  # shared: what other rows and requests pooled (drafts.Memory)
+
     def add(self, ngram, before=None, from_window=False):
         if self.cap == 0:
             return
-        entries = self.by_key.setdefault(ngram[0], OrderedDict())
+        entries = self.by_key.get(ngram[0]) or OrderedDict()
+        self.by_key[ngram[0]] = entries  # (written again: a Memory keeps the recently written)
         rest = tuple(ngram[1:])
         if rest in entries:
             entries.move_to_end(rest)
@@ -254,7 +258,7 @@ class Verified:
 class Sequence:
     """One row's state: committed tokens, window, pool, draft sources."""
 
-    def __init__(self, prompt_ids, max_new_tokens, policy, sampling, seed, stop, dev, output_ngrams, drafts):
+    def __init__(self, prompt_ids, max_new_tokens, policy, sampling, seed, stop, dev, output_ngrams, drafts, memory):
         self.prompt, self.max_new, self.stop, self.N = list(prompt_ids), max_new_tokens, stop, policy.N
         self.sampling, self.output_ngrams = sampling, output_ngrams
         self.C = len(prompt_ids)  # committed slots: `last` (tokens[-1]) sits at slot and position C
@@ -263,12 +267,14 @@ class Sequence:
         self.window = []  # up to N-1 levels; a new column starts from a random prompt token (seeded)
         self.window_rng, self.rng = random.Random(seed), random.Random(seed + 1)
         self.gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
-        # The pool starts with the prompt's n-grams: answers copy their prompt.
+        # The sources, the pool's first (the paper's); each step the policy asks some or all of them.
         self.pool = NGramPool(policy.pool_cap)
+        self.sources = sorted(drafts(self) if drafts else [self.pool, JacobiGuess()], key=lambda s: s is not self.pool)
+        for source in {self.pool, *self.sources} if memory is not None else ():
+            source.remember(memory)  # what they learn outlives the request (drafts.Memory)
+        # The pool starts with the prompt's n-grams: answers copy their prompt.
         for i in range(len(self.prompt) - self.N + 1):
             self.pool.add(self.prompt[i:i + self.N], self.prompt[i - 1] if i else None)
-        # The sources, the pool's first (the paper's); each step the policy asks some or all of them.
-        self.sources = sorted(drafts(self) if drafts else [self.pool, JacobiGuess()], key=lambda s: s is not self.pool)
         self.asked, self.jacobi = self.sources, next((s for s in self.sources if isinstance(s, JacobiGuess)), None)
         self.spent = {s: 0.0 for s in self.sources}  # seconds in each source's hooks (the policy weighs them)
         self.made_by = {}  # Candidate.source label -> the source that proposed it
@@ -397,12 +403,13 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
 @torch.inference_mode()
 def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram=None, candidates=None, stop_ids=(),
                            seed=0, temperature=0.0, top_k=0, top_p=1.0, output_ngrams=True, drafts=None, costs=None,
-                           on_tokens=None, on_step=None) -> list[Generation]:
+                           memory=None, on_tokens=None, on_step=None) -> list[Generation]:
     """The decode loop: prefill, first token, steps until every row is done; each row's tokens are
     greedy_decode's (sampling: sample_decode's distribution, row b seeded with seed + b). W, N, G
     (window, ngram = 5, candidates): the paper's fixed shape; neither W nor G: the dynamic shape
     (shape.py; `costs` fixes its step costs). output_ngrams: pool the committed text's n-grams.
-    drafts(seq) -> the row's draft sources (default: the pool, the Jacobi guess).
+    drafts(seq) -> the row's draft sources (default: the pool, the Jacobi guess). memory: a
+    drafts.Memory the rows' sources share and keep after the request (default: none kept).
     on_tokens(row, new ids), on_step(row, Verified). A finished row leaves the batch."""
     policy = shape_policy(model, window, ngram, candidates, costs)
     sampling = Sampling(temperature, top_k, top_p)
@@ -410,7 +417,7 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram
     limits = check_requests(model, prompts, max_new_tokens)
     longest = max(len(p) + m - 1 for p, m in zip(prompts, limits))
     ensure_cache(model, min(model.args.max_seq_len, longest + policy.largest), len(prompts))
-    rows = [Sequence(p, m, policy, sampling, seed + b, set(stop_ids), model.device, output_ngrams, drafts)
+    rows = [Sequence(p, m, policy, sampling, seed + b, set(stop_ids), model.device, output_ngrams, drafts, memory)
             for b, (p, m) in enumerate(zip(prompts, limits))]
     start_rows(model, rows, sampling, policy.forecast(len(rows)) - 1, start, on_tokens)
     active = list(range(len(rows)))  # the rows still decoding, in the cache's row order

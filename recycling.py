@@ -61,6 +61,9 @@ class TokenRecycling(DraftSource):
         self.next: dict[int, list[int]] = {}  # token -> the model's best after it, last time
         self.next2: dict[tuple, list[int]] = {}  # (token, token after it) -> the same after the pair
 
+    def remember(self, memory):
+        self.next = self.next2 = memory.rankings  # one table, keyed by a token or a pair (drafts.Memory)
+
     def after(self, before, token) -> list[int]:
         """The model's last ranking after `token` (seen right after `before` if it can be had)."""
         ranked = self.next2.get((before, token))
@@ -100,4 +103,5 @@ class TokenRecycling(DraftSource):
             self.next[token] = best
             self.next2[before_last if v == 0 else tree.tokens[tree.parent[v]], token] = best
         for token, best in zip(step.read[n:], step.rankings[n:]):  # the window's: where nothing else is known
-            self.next.setdefault(token, best)
+            if token not in self.next:
+                self.next[token] = best

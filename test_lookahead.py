@@ -514,6 +514,36 @@ def test_a_source_that_is_always_right_commits_n_tokens_a_step(shape):
     assert oracle.steps <= 15 < plain.steps, (oracle.committed, plain.tokens_per_step)
 
 
+def test_a_memory_is_shared_by_the_requests_and_rows_that_pass_it_only_and_changes_no_output(monkeypatch):
+    # Two requests passing one Memory: the second (the same prompt again) starts from the n-grams
+    # and rankings the first left, and takes fewer steps; a third with none starts empty (the
+    # first's steps exactly) and leaves the memory as it was; the output is greedy's in all.
+    from drafts import Memory
+    from shape import SourceLedger, StepCosts
+    monkeypatch.setattr(SourceLedger, "SHARE", float("inf"))  # no clock: the steps repeat exactly
+    model = random_model(seed=2, vocab_size=64)
+    prompt = [int(t) for t in torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(3))]
+    truth = greedy_decode(model, prompt, 48).tokens
+    seqs = []
+    drafts = lambda seq: seqs.append(seq) or [seq.pool, TokenRecycling(), JacobiGuess()]
+    run = lambda **kw: lookahead_decode(model, prompt, 48, drafts=drafts, costs=StepCosts.flat(), **kw)
+    memory = Memory()
+    first, second = run(memory=memory), run(memory=memory)
+    kept = (len(memory.ngrams), len(memory.rankings))
+    assert all(kept)  # recycling ran (steps hold its tree at flat cost) and kept its rankings
+    third = run()
+    assert first.tokens == second.tokens == third.tokens == truth
+    assert second.steps < first.steps == third.steps, (first.steps, second.steps, third.steps)
+    assert kept == (len(memory.ngrams), len(memory.rankings)) and seqs[2].pool.by_key is not memory.ngrams
+    # A batch's rows share it; a small one stays within its bound, and nothing changes the output.
+    small, seqs[:] = Memory(keys=5), []
+    prompts = [prompt, prompt[::-1]]
+    gens = lookahead_decode_batch(model, prompts, 48, drafts=drafts, costs=StepCosts.flat(), memory=small)
+    assert [g.tokens for g in gens] == [g.tokens for g in greedy_decode_batch(model, prompts, 48)]
+    assert seqs[0].pool.by_key is seqs[1].pool.by_key is small.ngrams and seqs[0].sources[1].next is small.rankings
+    assert len(small.ngrams) == len(small.rankings) == 5
+
+
 def test_rollback_leaves_the_cache_of_a_greedy_run():
     model = random_model(seed=7, vocab_size=8)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
@@ -1351,23 +1381,26 @@ def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
     folder = write_tokenizer(write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=4096)))
     out = tmp_path / "spec.json"
     code = bench.main(["--model", str(folder), "--dataset", "spec-bench", "--per-category", "1", "--max-new-tokens", "6",
-                       "--repeats", "1", "--configs", "dynamic", "2,3,2:pool,recycling,jacobi", "--json", str(out),
-                       "--answers", str(tmp_path / "answers")])
+                       "--repeats", "2", "--configs", "dynamic", "2,3,2:pool,recycling,jacobi", "--json", str(out),
+                       "--answers", str(tmp_path / "answers"), "--warm"])
     table = capsys.readouterr().out
     assert code == 0, table
     answers = json.loads(out.read_text())["answers"]
     assert len({a["category"] for a in answers}) == 13 and len(answers) == 13 + 8  # MT-Bench's 8 have 2 turns
     assert [a["turn"] for a in answers[:2]] == [1, 2] and answers[1]["prompt_tokens"] > answers[0]["prompt_tokens"]
     for a in answers:
-        assert all(a[n]["identical"] for n in ("dynamic", "2,3,2:pool,recycling,jacobi", "transformers greedy",
+        assert all(a[n]["identical"] for n in ("dynamic", "2,3,2:pool,recycling,jacobi", "dynamic+warm",
+                                                  "2,3,2:pool,recycling,jacobi+warm", "transformers greedy",
                                                   "transformers PLD")), a
     assert "overall" in table and "transformers PLD" in table and "NO" not in table
     curve = table[table.index("step cost on this machine"):].splitlines()[0]  # timed directly, 1 to 16 tokens
     assert "1 tokens 1.00x" in curve and "16 tokens" in curve
     # Spec-Bench's answer files, one per decoder of ours (not the peers'), a line per question.
     files = sorted(p.name for p in (tmp_path / "answers").iterdir())
-    assert files == ["tiny-2_3_2-pool_recycling_jacobi.jsonl", "tiny-dynamic.jsonl", "tiny-greedy.jsonl"], files
-    for name, f in zip(("2,3,2:pool,recycling,jacobi", "dynamic", "greedy"), sorted((tmp_path / "answers").iterdir())):
+    assert files == ["tiny-2_3_2-pool_recycling_jacobi+warm.jsonl", "tiny-2_3_2-pool_recycling_jacobi.jsonl",
+                     "tiny-dynamic+warm.jsonl", "tiny-dynamic.jsonl", "tiny-greedy.jsonl"], files
+    for name, f in zip(("2,3,2:pool,recycling,jacobi+warm", "2,3,2:pool,recycling,jacobi", "dynamic+warm", "dynamic",
+                        "greedy"), sorted((tmp_path / "answers").iterdir())):
         lines = [json.loads(line) for line in f.read_text().splitlines()]
         assert [q["question_id"] for q in lines] == list(dict.fromkeys(a["question_id"] for a in answers))
         for q in lines:
