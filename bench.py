@@ -585,8 +585,9 @@ def main(argv=None):
     ap.add_argument("--configs", nargs="+", type=parse_config, default=None,
                     help="W,N,G configurations or `dynamic`, each optionally :SOURCES, the draft sources in order "
                          "(e.g. dynamic:pool,recycling,jacobi; default: dynamic with pool,jacobi)")
-    ap.add_argument("--flat-cost", action="store_true",
-                    help="the dynamic shape assumes every step size costs the same (what it does where steps are free)")
+    ap.add_argument("--flat-cost", type=int, nargs="?", const=STEP_SIZES[-1], default=None, metavar="LARGEST",
+                    help="the dynamic shape assumes every step size up to LARGEST (default 128) costs the same "
+                         "(what it does where steps are free)")
     ap.add_argument("--sweep", action="store_true", help=f"run a grid of {len(SWEEP)} configurations")
     ap.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "chat": true}')
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -638,7 +639,7 @@ def main(argv=None):
     kinds, prompts = zip(*load_prompts(args.prompts, tokenizer))
     stop = tokenizer.stop_ids
     configs = [parse_config(c) for c in ["dynamic"] + SWEEP] if args.sweep else args.configs or [parse_config("dynamic")]
-    costs = StepCosts.flat() if args.flat_cost else None
+    costs = StepCosts.flat(args.flat_cost) if args.flat_cost else None
     n_new = args.max_new_tokens
 
     def greedy(ids):

@@ -134,7 +134,7 @@ def parse_args(argv):
                          "shape, chosen per step)")
     ap.add_argument("--drafts", default="pool,jacobi",
                     help=f"the draft sources, in order: {', '.join(DRAFTS)}, or FILE.py:ClassName, a DraftSource "
-                         "of your own (default pool,jacobi; recycling runs where a step can hold its 80-guess tree)")
+                         "of your own (default pool,jacobi; recycling offers as much of its 80-guess tree as a step holds)")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
     ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

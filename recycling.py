@@ -17,9 +17,11 @@ from the last token as candidates.
 
 The template is the same every step: the 80-node tree the authors published (their repository's
 tree template "2.2.2", k = 8, up to 6 deep), written below as rank paths, one line a depth. It is
-wide near the root (all 8 ranks after `last`), deep along the best ranks; the dynamic shape learns
-per depth and rank how often these guesses are right, and keeps only those worth their cost. A
-token the model has not ranked yet ends its path.
+wide near the root (all 8 ranks after `last`), deep along the best ranks. A step gets as much of
+it as the policy expects the step to hold (seq.worth_guessing), best first: the paths that skip
+the fewest ranks, shallower first (each node after its parent), so the greedy chain comes whole
+before any runner-up; the dynamic shape learns per depth and rank how often these guesses are
+right, and keeps only those worth their cost. A token the model has not ranked yet ends its path.
 
 Two tokens of context pick better than one, as in the n-gram pool: the table also keeps the
 ranking after every PAIR of tokens seen (next2[(z, a)], `a` right after `z`), and a node of the
@@ -31,11 +33,9 @@ does not know yet, the window's newest level (a guessed context, so it never rep
 seen after a trie node); the prefill fills it first, from the model's ranking after every prompt
 token (the LM head over the prompt, once).
 
-It runs where a step can hold its whole tree (the policy's forecast, from the measured step
-costs: a GPU where wide steps cost what one token does, or flat cost), and idles below that: no
-candidates, no rankings read. Where steps hold a few guesses, the pool's and the Jacobi guess's
-best few are as good, and reading the rankings is not free. docs/PERFORMANCE.md has the figures
-that chose each of these.
+It offers what fits at every size of step: a CPU's steps of a few guesses get the first few
+paths, a GPU's wide ones the whole tree (docs/PERFORMANCE.md has the figures that chose each of
+these).
 """
 from drafts import Candidate, DraftSource, token_back
 
@@ -56,7 +56,7 @@ class TokenRecycling(DraftSource):
     wants_prompt_rankings = True  # its table starts from the prompt's
 
     def __init__(self, template=TEMPLATE):
-        self.template = template  # rank paths, each after its prefix
+        self.template = sorted(template, key=lambda path: (sum(path), len(path)))  # best first, each after its prefix
         self.rankings = 1 + max(max(path) for path in template)  # how many of the model's best it reads
         self.next: dict[int, list[int]] = {}  # token -> the model's best after it, last time
         self.next2: dict[tuple, list[int]] = {}  # (token, token after it) -> the same after the pair
@@ -70,14 +70,12 @@ class TokenRecycling(DraftSource):
         return self.next.get(token, []) if ranked is None else ranked
 
     def wants_rankings(self, worth_guessing):
-        return worth_guessing >= len(self.template)  # where its whole tree can run: see the module docstring
+        return worth_guessing > 0
 
     def propose(self, seq, k):
-        if not self.wants_rankings(seq.worth_guessing):
-            return []  # it reads no rankings now, so it has none fresh to offer
         context = (token_back(seq, 2), seq.tokens[-1])  # the pair ending in `last`
         chains = {}  # rank path -> its tokens, or None where a token along it is unranked
-        paths = [path for path in self.template if len(path) <= k]
+        paths = [path for path in self.template[:seq.worth_guessing] if len(path) <= k]  # what the step may hold
         for path in paths:  # a path comes after its prefix
             parent = chains.get(path[:-1], ()) if len(path) > 1 else ()
             if parent is None:

@@ -242,8 +242,12 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
     # The template's paths followed through the table (8: unranked, so (0,0,0) ends at 8)...
     assert [c.tokens for c in tr.propose(seq, 3)] == [(7, 8), (7, 9), (6, 5)]
     assert [c.tokens for c in tr.propose(seq, 1)] == [(7,), (6,)]  # ...never past k
-    seq.worth_guessing = 5  # where a step cannot hold the whole tree, it idles
-    assert tr.propose(seq, 3) == []
+    # Where a step holds fewer guesses, the best of the tree that fit: the fewest skipped ranks
+    # first, shallower first: (0) (0 0) (0 0 0) (1) (0 1) | (1 0).
+    seq.worth_guessing = 5
+    assert [c.tokens for c in tr.propose(seq, 3)] == [(7, 8), (7, 9), (6,)]
+    seq.worth_guessing = 2
+    assert [c.tokens for c in tr.propose(seq, 3)] == [(7, 8)]
     seq.worth_guessing = 80
     # A step reads the trie's rows (last 5, guesses 7 and 1) and the window's newest level (6, 2):
     # the trie's rank anew, accepted or not; the window's only tokens the table does not know.
@@ -283,12 +287,11 @@ def test_token_recycling_is_exact_in_both_shapes(seed, vocab, N, max_new, family
 
 
 
-def test_recycling_runs_only_where_a_step_can_hold_its_whole_tree():
-    # Reading the model's rankings costs the top-k of every row read and, once, the LM head over
-    # the whole prompt; where steps hold a few guesses the other sources' are as good, so token
-    # recycling idles there: no rankings read, no candidates.
+def test_recycling_offers_what_a_step_can_hold():
+    # Where steps hold 4 tokens, token recycling reads the rankings and offers the best 3 guesses
+    # of its tree; where steps are free, the whole tree.
     model, prompt = random_model(seed=3, vocab_size=16), [1, 2, 3, 4, 5, 1, 2, 3]
-    prefilled, rankings, sources = [], [], set()
+    prefilled, rankings, sources, nodes = [], [], set(), []
 
     class Watched(TokenRecycling):
         def observe_prefill(self, seq, top):
@@ -300,15 +303,20 @@ def test_recycling_runs_only_where_a_step_can_hold_its_whole_tree():
             super().observe(seq, step)
 
     def run(costs):
-        got = lookahead_decode(model, prompt, 12, costs=costs, drafts=lambda seq: [seq.pool, Watched()],
-                               on_step=lambda s: sources.update(c.source for c in s.tree.candidates))
+        def on_step(step):
+            sources.update(c.source for c in step.tree.candidates)
+            nodes.append(len({c.tokens[:i] for c in step.tree.candidates if c.source == "recycling"
+                              for i in range(1, len(c.tokens) + 1)}))
+        got = lookahead_decode(model, prompt, 12, costs=costs, drafts=lambda seq: [seq.pool, Watched()], on_step=on_step)
         assert got.tokens == greedy_decode(model, prompt, 12).tokens
         return got
 
-    run(StepCosts({1: 1.0, 2: 1.0, 4: 1.0}))  # steps of 4 tokens at most: it idles
-    assert (prefilled, any(rankings), "recycling" in sources) == ([], False, False)
-    got = run(StepCosts.flat())  # steps free: the whole tree, every step
+    got = run(StepCosts({1: 1.0, 2: 1.0, 4: 1.0}))  # steps of 4 tokens at most
     assert prefilled == [len(prompt)] and all(rankings[-got.steps:]) and "recycling" in sources
+    assert 0 < max(nodes) <= 3, nodes
+    nodes.clear()
+    run(StepCosts.flat())  # steps free: the tree, as far as the table reaches
+    assert max(nodes) > 8, nodes
 
 
 class Oracle(DraftSource):
