@@ -390,8 +390,8 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
     # 8. Roll back: the step wrote K/V for all T tokens; the accepted ones' are exactly what a
     #    one-token-at-a-time run writes (same tokens, positions, context), so they move down next
     #    to `last` (row.moves), and the rest, past the committed length, is overwritten by the
-    #    next step. The next forward moves them in every layer before it reads the cache: no
-    #    launches, no host-to-device copy of their own.
+    #    next step. The next forward moves them, in every layer before it reads the cache (in a
+    #    compiled step, inside its graph): no host-to-device copy or sync of their own.
     seconds = time.perf_counter() - start
     policy.observe(rows, steps, T, seconds)
     for row in rows:
@@ -456,7 +456,8 @@ def pack_inputs(model, rows: list[Sequence], parts: list, T: int):
     would be a sync point each on a GPU): every row's ints (int64) then every row's mask (bytes),
     viewed on the device as tokens (B, T), positions (B, T), committed (B, 1), the in-step mask
     (B, T, T), the span of committed lengths (host), the positions read (B, R) and the step
-    before's roll back, (B, 2, M) slots (from, to), padded with slot 0 onto itself (None: none)."""
+    before's roll back, (B, 2, M) slots (from, to), padded with slot 0 onto itself (None: none);
+    the rows' moves, sent, are cleared."""
     B, R = len(rows), max(len(read) for *_, read in parts)
     M = max(len(row.moves) for row in rows)
     if model.compiled is not None and M:
