@@ -88,10 +88,10 @@ def step_masks(positions, committed, block, lo: int, hi: int, dtype, window=None
     own: None (causal), False (a one-token step: its slot is read with the committed ones), or
     an additive (B, 1, groups * T, T) mask: the T x T mask once for each of the `groups` query
     heads that share a K/V head, as Attention folds them into one query of groups * T rows (so
-    that no layer copies K or V for its grouped heads). prefix: None, or (start, end, mask) over cache slots
-    [start, end): one entry a row and slot (B, 1, 1, S), or none at all when every row sees every
-    slot read; a sliding layer's band (keys at q_pos - window < p <= q_pos) is per token, a bool
-    (B, 1, 1, T, S)."""
+    that no layer copies K or V for its grouped heads). prefix: None, or (start, end, mask) over
+    cache slots [start, end): one entry a row and slot (B, 1, 1, S), or none at all when every
+    row sees every slot read; a sliding layer's band (keys at q_pos - window < p <= q_pos) is
+    per token, a bool (B, 1, 1, T, S)."""
     B, T = positions.shape
     own = None  # causal
     if block is not None or (window and T > window):
