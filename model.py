@@ -330,13 +330,10 @@ class Transformer(nn.Module):
         prompt_end: the last position of the prompt a chunk belongs to (longrope's factors follow it).
         check: raise if a position reaches the model's context (one host sync; step() skips it).
         head=False: the final normed hidden states (B, T, dim) instead, to read logits in pieces.
-        moves: (B, 2, M) cache slots, row b's K/V in slot moves[b, 0, i] copied to slot
-        moves[b, 1, i] in every layer before this call reads the cache: a lookahead step's roll
-        back, done by the next forward (its indices travel with that step's inputs, and a
-        compiled step does it inside its graph).
+        moves: (B, 2, M) slots, K/V copied from moves[b, 0, i] to moves[b, 1, i] of row b in
+        every layer first: the step before's roll back (Attention.forward).
         """
-        B, T = tokens.shape
-        dev = tokens.device
+        (B, T), dev = tokens.shape, tokens.device
         positions = (torch.arange(T, device=dev) if positions is None else positions).expand(B, T)
         if check and not torch.compiler.is_compiling() and int(positions.max()) >= self.args.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past the model's context of {self.args.max_seq_len}")
