@@ -105,7 +105,7 @@ class Memory:
     other's text must not share one.
 
     Bounded: at most `keys` first tokens (pool) and `keys` contexts (recycling), the least
-    recently used dropped first; each key holds at most the pool's cap of n-grams."""
+    recently written dropped first; each key holds at most the pool's cap of n-grams."""
 
     def __init__(self, keys: int = 1 << 16):
         self.ngrams = Recent(keys)  # the pool's: first token -> {rest: [tokens before it, from window?]}

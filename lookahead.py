@@ -460,10 +460,10 @@ def pack_inputs(model, rows: list[Sequence], parts: list, T: int):
     the rows' moves, sent, are cleared."""
     B, R = len(rows), max(len(read) for *_, read in parts)
     M = max(len(row.moves) for row in rows)
-    if model.compiled is not None and M:
+    if model.compiled is not None and M:  # a compiled step takes a fixed number of moves
         if M > model.compiled.MOVES:  # more than its graph takes: done eagerly, once
             settle(model, rows)
-        M = model.compiled.MOVES if M else 0
+        M = model.compiled.MOVES
     ints = array("q")
     for row, (tokens, offsets, _, read) in zip(rows, parts):
         moves = row.moves + [(0, 0)] * (M - len(row.moves))
