@@ -389,5 +389,5 @@ def keep(tree, nodes):
             if v not in kept_nodes:
                 break
             kept.append(tok)
-        out.add(replace(candidate, tokens=tuple(kept)))
+        out.add(candidate if len(kept) == len(candidate.tokens) else replace(candidate, tokens=tuple(kept)))
     return out
