@@ -36,6 +36,12 @@ token (the LM head over the prompt, once).
 It offers what fits at every size of step: a CPU's steps of a few guesses get the first few
 paths, a GPU's wide ones the whole tree (docs/PERFORMANCE.md has the figures that chose each of
 these).
+
+Its table stays on the host, where the trie it feeds is built and verified: the rankings come
+back in the step's one host sync with the argmax, and the template is walked by index (each
+node's parent and rank, no per-node tuples). A table on the device, each depth of the tree one
+gather, would need a host sync of its own to bring the tree back, and on a CPU its gathers cost
+more than the walk (docs/PERFORMANCE.md: 197 against 51 us a step for the 80 nodes).
 """
 from drafts import Candidate, DraftSource, token_back
 
@@ -57,6 +63,13 @@ class TokenRecycling(DraftSource):
 
     def __init__(self, template=TEMPLATE):
         self.template = sorted(template, key=lambda path: (sum(path), len(path)))  # best first, each after its prefix
+        # The template as indices (propose walks it every step): each node's parent (-1: `last`),
+        # rank and first child (len: none), and the nodes in rank-path order.
+        index = {path: i for i, path in enumerate(self.template)}
+        self.parent = [index[path[:-1]] if len(path) > 1 else -1 for path in self.template]
+        self.rank = [path[-1] for path in self.template]
+        self.first_child = [index.get(path + (0,), len(index)) for path in self.template]
+        self.in_path_order = sorted(range(len(index)), key=lambda i: self.template[i])
         self.rankings = 1 + max(max(path) for path in template)  # how many of the model's best it reads
         self.next: dict[int, list[int]] = {}  # token -> the model's best after it, last time
         self.next2: dict[tuple, list[int]] = {}  # (token, token after it) -> the same after the pair
@@ -73,18 +86,24 @@ class TokenRecycling(DraftSource):
         return worth_guessing > 0
 
     def propose(self, seq, k):
+        n = min(seq.worth_guessing, len(self.template))  # the best n paths: what the step may hold
         context = (token_back(seq, 2), seq.tokens[-1])  # the pair ending in `last`
-        chains = {}  # rank path -> its tokens, or None where a token along it is unranked
-        paths = [path for path in self.template[:seq.worth_guessing] if len(path) <= k]  # what the step may hold
-        for path in paths:  # a path comes after its prefix
-            parent = chains.get(path[:-1], ()) if len(path) > 1 else ()
-            if parent is None:
-                chains[path] = None
+        chains = [None] * n  # each path's tokens; None where a token along it is unranked, or past k
+        ranked_after = {}  # node -> the ranking after it (siblings share it)
+        for i in range(n):  # a path comes after its parent
+            p = self.parent[i]
+            chain = () if p < 0 else chains[p]
+            if chain is None or len(chain) == k:
                 continue
-            ranked = self.after(*(context + parent)[-2:])
-            chains[path] = parent + (ranked[path[-1]],) if path[-1] < len(ranked) else None
-        leaves = [p for p in paths if chains[p] and not chains.get(p + (0,))]  # a child's elder siblings are in
-        return [Candidate(chains[p], "recycling") for p in sorted(leaves)]  # rank 0 first below every node
+            ranked = ranked_after.get(p)
+            if ranked is None:
+                ranked = ranked_after[p] = self.after(*(context + chain)[-2:])
+            if self.rank[i] < len(ranked):
+                chains[i] = chain + (ranked[self.rank[i]],)
+        # The leaves (no child 0 among the chains: a child's elder siblings are in), rank 0 first
+        # below every node.
+        return [Candidate(chains[i], "recycling") for i in self.in_path_order
+                if i < n and chains[i] and (self.first_child[i] >= n or chains[self.first_child[i]] is None)]
 
     def observe_prefill(self, seq, top):
         for i, (token, best) in enumerate(zip(seq.prompt, top)):
