@@ -158,9 +158,11 @@ class Attention(nn.Module):
         head), or False = through the prefix (a one-token step: its slot is read with the
         committed ones). prefix: None, or (start, end, mask): the cache slots [start, end) they
         also see, under an additive (B, 1, 1, S) mask (one entry a row and slot) or None, or in a
-        sliding layer a bool (B, 1, 1, T, S) band (attention.step_masks builds them). rows: this
-        call's rows of the cache (a slice). moves: the previous step's roll back, (B, 2, M) cache
-        slots (from, to) of each row, done here before anything reads or writes the cache."""
+        sliding layer a bool (B, 1, 1, T, S) band (attention.step_masks builds them). slots: None
+        (no cache), or (batch (B, 1), slots (B, T)): row b's token t keeps its K/V in slot slots[b,
+        t] (built once a forward). rows: this call's rows of the cache (a slice). moves: the
+        previous step's roll back, (B, 2, M) cache slots (from, to) of each row, done here before
+        anything reads or writes the cache."""
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         g = H // Hkv  # grouped-query attention: K/V head j serves query heads j*g .. (j+1)*g - 1
@@ -172,11 +174,12 @@ class Attention(nn.Module):
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, hd)
         k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, hd)
         v = qkv[:, :, H + Hkv:].transpose(1, 2)
-        batch = torch.arange(B, device=x.device)[:, None]  # (B, 1)
-        if moves is not None:  # the accepted K/V of the step before, next to its committed ones
-            for cache in (self.k_cache[rows], self.v_cache[rows]):
-                cache[batch, :, moves[:, 1]] = cache[batch, :, moves[:, 0]]  # gathered first: overlaps are safe
-        if slots is not None:  # keep this call's K/V: token t of row b in slot slots[b, t] of its cache row
+        if slots is not None:
+            batch, slots = slots
+            if moves is not None:  # the accepted K/V of the step before, next to its committed ones
+                for cache in (self.k_cache[rows], self.v_cache[rows]):
+                    cache[batch, :, moves[:, 1]] = cache[batch, :, moves[:, 0]]  # gathered first: overlaps are safe
+            # Keep this call's K/V: token t of row b in slot slots[b, t] of its cache row.
             index = (batch, slice(None), slots)  # as (B, T, Hkv, hd)
             self.k_cache[rows][index] = k.transpose(1, 2)  # a view of the buffer, written in place
             self.v_cache[rows][index] = v.transpose(1, 2)
@@ -339,7 +342,7 @@ class Transformer(nn.Module):
             raise ValueError(f"position {int(positions.max())} is past the model's context of {self.args.max_seq_len}")
         slots, rows, lo, hi = None, None, 0, 0
         if committed is not None:
-            slots = committed + torch.arange(T, device=dev)  # (B, T)
+            slots = torch.arange(B, device=dev)[:, None], committed + torch.arange(T, device=dev)  # (B, 1), (B, T)
             lo, hi = span if span is not None else (int(committed.min()), int(committed.max()))
             rows = slice(0, B) if cache_row is None else slice(cache_row, cache_row + 1)
         full, local = self.layer_inputs(positions, committed, block, lo, hi, prompt_end)

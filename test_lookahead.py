@@ -647,8 +647,8 @@ def test_a_steps_work_outside_the_forward_does_not_grow_with_layers_nor_inside_i
     # The roll back runs inside the next forward (its indices in the packed copy): outside
     # model.step a step runs the same ops whatever the number of layers (the eager roll back
     # was 4 a layer). Inside, what a layer adds is its own work: the step's mask is built once
-    # a forward in the dtype the kernel reads (no mask op a layer), and grouped heads read K/V
-    # in place (no repeat of K or V a layer).
+    # a forward in the dtype the kernel reads (no mask op a layer), grouped heads read K/V in
+    # place (no repeat of K or V a layer), and the rows' index into the cache is made once.
     import lookahead
     outside, per_layer = [], []
     for layers in (1, 3):
@@ -664,7 +664,7 @@ def test_a_steps_work_outside_the_forward_does_not_grow_with_layers_nor_inside_i
     assert max(outside[0]) == max(outside[1]) and all(max(o) - min(o) <= 1 for o in outside), outside
     grown = {op for op in per_layer[1] if per_layer[1][op] != per_layer[0][op]}
     assert grown and not grown & {"masked_fill", "masked_fill_", "repeat", "repeat_interleave", "index_select",
-                                  "zeros", "full", "constant_pad_nd"}, grown
+                                  "zeros", "full", "constant_pad_nd", "arange"}, grown  # (arange: the rows' index)
 
 
 def test_stop_inside_an_accepted_ngram():
