@@ -128,8 +128,9 @@ class DynamicShape:
 
     def observe(self, rows, steps, T: int, seconds: float):
         for row, step in zip(rows, steps):
-            self.acceptance[row].record(step.tree, step.path, step.w)
-            self.ledgers[row].record(row, step, seconds)
+            tested = list(labelled(step.tree, {0, *step.path}))  # the guesses the step tested, walked once for both
+            self.acceptance[row].record(step.tree, step.path, step.w, tested)
+            self.ledgers[row].record(row, step, seconds, tested)
         self.costs(len(rows)).record(T, seconds)
 
 
@@ -155,10 +156,11 @@ class SourceLedger:
     def asked(self) -> list:
         return [s for s in self.sources if not self.rest[s]]
 
-    def record(self, row, step, seconds: float):
+    def record(self, row, step, seconds: float, tested=None):
+        """After a step; tested: labelled(step.tree, {0, *step.path}) where the caller has it."""
         own = Counter()  # accepted guesses that one source alone proposed
         makers = {}
-        for node, (label, *_), _ in labelled(step.tree, {0, *step.path}):
+        for node, (label, *_), _ in labelled(step.tree, {0, *step.path}) if tested is None else tested:
             makers.setdefault(node, set()).add(row.made_by[label])
         for node in step.path:
             if len(makers[node]) == 1:
@@ -265,10 +267,11 @@ class Acceptance:
         prior /= 2 ** key[2]
         return (self.hits[key] + 2 * prior) / (self.trials[key] + 2)
 
-    def record(self, tree, path: list[int], w: int):
-        """After a step: every guess whose parent was accepted was tested; those on the path hit."""
+    def record(self, tree, path: list[int], w: int, tested=None):
+        """After a step: every guess whose parent was accepted was tested (labelled(tree, {0,
+        *path}), passed in where the caller has it); those on the path hit."""
         on_path = set(path)
-        for node, key, _ in labelled(tree, {0, *path}):
+        for node, key, _ in labelled(tree, {0, *path}) if tested is None else tested:
             self.trials[key] += 1
             self.hits[key] += node in on_path
         self.window_tokens += sum(tree.candidates[tree.origin[v]].from_window for v in path)
