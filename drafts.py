@@ -11,7 +11,7 @@ import torch
 from decoding import prefill
 
 
-@dataclass(slots=True)  # (not frozen: a frozen one takes ~4x as long to make, and a step makes dozens)
+@dataclass(slots=True)  # read only, yet not frozen: a frozen one takes ~4x as long to make (dozens a step)
 class Candidate:
     """A chain of guesses continuing `last`, and who made it. `source` is the label the dynamic
     shape learns it by (how often such guesses are right, per depth and rank); `prior` is the

@@ -175,12 +175,12 @@ class Attention(nn.Module):
         k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, hd)
         v = qkv[:, :, H + Hkv:].transpose(1, 2)
         if slots is not None:
-            batch, slots = slots
+            batch, slot = slots
             if moves is not None:  # the accepted K/V of the step before, next to its committed ones
                 for cache in (self.k_cache[rows], self.v_cache[rows]):
                     cache[batch, :, moves[:, 1]] = cache[batch, :, moves[:, 0]]  # gathered first: overlaps are safe
-            # Keep this call's K/V: token t of row b in slot slots[b, t] of its cache row.
-            index = (batch, slice(None), slots)  # as (B, T, Hkv, hd)
+            # Keep this call's K/V: token t of row b in slot slot[b, t] of its cache row.
+            index = (batch, slice(None), slot)  # as (B, T, Hkv, hd)
             self.k_cache[rows][index] = k.transpose(1, 2)  # a view of the buffer, written in place
             self.v_cache[rows][index] = v.transpose(1, 2)
         if own is None and prefix is None:  # a whole prompt: SDPA's causal kernel, memory linear in T
