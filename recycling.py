@@ -39,7 +39,7 @@ these).
 
 Its table stays on the host, where the trie it feeds is built and verified: the rankings come
 back in the step's one host sync with the argmax, and the template is walked by index (each
-node's parent and rank, no per-node tuples). A table on the device, each depth of the tree one
+node's parent, rank and first child precomputed). A table on the device, each depth of the tree one
 gather, would need a host sync of its own to bring the tree back, and on a CPU its gathers cost
 more than the walk (docs/PERFORMANCE.md: 197 against 51 us a step for the 80 nodes).
 """

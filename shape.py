@@ -156,11 +156,11 @@ class SourceLedger:
     def asked(self) -> list:
         return [s for s in self.sources if not self.rest[s]]
 
-    def record(self, row, step, seconds: float, tested=None):
-        """After a step; tested: labelled(step.tree, {0, *step.path}) where the caller has it."""
+    def record(self, row, step, seconds: float, tested: list):
+        """After a step; tested: the guesses it tested, labelled(step.tree, {0, *step.path})."""
         own = Counter()  # accepted guesses that one source alone proposed
         makers = {}
-        for node, (label, *_), _ in labelled(step.tree, {0, *step.path}) if tested is None else tested:
+        for node, (label, *_), _ in tested:
             makers.setdefault(node, set()).add(row.made_by[label])
         for node in step.path:
             if len(makers[node]) == 1:
