@@ -61,17 +61,20 @@ class NGramPool(DraftSource):
     def add(self, ngram, before=None, from_window=False):
         if self.cap == 0:
             return
-        entries = self.by_key.get(ngram[0]) or OrderedDict()
-        self.by_key[ngram[0]] = entries  # (written again: a Memory keeps the recently written)
-        rest = tuple(ngram[1:])
-        if rest in entries:
-            entries.move_to_end(rest)
-        else:
-            entries[rest] = [set(), from_window]
+        key, rest = ngram[0], tuple(ngram[1:])
+        entries = self.by_key.get(key)
+        if entries is None:
+            entries = OrderedDict()
+        self.by_key[key] = entries  # (written again: a Memory keeps the recently written)
+        entry = entries.get(rest)
+        if entry is None:
+            entry = entries[rest] = [set(), from_window]
             if len(entries) > self.cap:
                 entries.popitem(last=False)
+        else:
+            entries.move_to_end(rest)
         if before is not None:
-            entries[rest][0].add(before)
+            entry[0].add(before)
 
     def ranked(self, key, before=None) -> list[tuple]:
         """The continuations of `key` as (rest, seen after `before`?, from the window?): those seen
@@ -344,10 +347,10 @@ class Sequence:
         if not new_level:
             return pooled  # no window this step
         if len(window) == self.N - 1:
-            for j in range(len(new_level)):
+            for j, ngram in enumerate(zip(*window, new_level)):  # column j, top to bottom, and its prediction
                 # column j's trajectory continues level 0 after its column j-1 (or `last`)
-                pooled.append([level[j] for level in window] + [new_level[j]])
-                self.pool.add(pooled[-1], window[0][j - 1] if j else last, from_window=True)
+                pooled.append(ngram)
+                self.pool.add(ngram, window[0][j - 1] if j else last, from_window=True)
             window.pop(0)
         window.append(new_level)
         return pooled
@@ -397,8 +400,9 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
     #    compiled step, inside its graph): no host-to-device copy or sync of their own.
     seconds = time.perf_counter() - start
     policy.observe(rows, steps, T, seconds)
+    host = time.perf_counter() - start - forward  # all but the forward, argmax and top-k: host work
     for row in rows:
-        row.out.host_seconds += seconds - forward  # all but the forward, argmax and top-k: host work
+        row.out.host_seconds += host
     for j, step in enumerate(steps):
         on_step and on_step(j, step)
 
