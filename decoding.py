@@ -142,14 +142,15 @@ def step_limit(model: Transformer, C: int) -> int:
     return min(model.cache.slots - C, switch - C if switch is not None and C < switch else model.cache.slots)
 
 
-def switch_rope(model: Transformer, row: int, C: int, sequence: list[int]) -> bool:
+def switch_rope(model: Transformer, row: int, C: int, prompt: list[int], tokens: list[int]) -> bool:
     """Phi-3's longrope rotates a sequence longer than its original context with other factors,
     all of its tokens. transformers' greedy decoding drops its cache at the step where the
     sequence grows past that length and runs it whole; here the row's committed tokens and its
-    `last` (sequence, C + 1 tokens) are run again into their slots, so that every later step sees
-    exactly those keys. Steps before that keep their positions before the switch (step_limit)."""
+    `last` (prompt + tokens, C + 1 tokens; joined only then) are run again into their slots, so
+    that every later step sees exactly those keys. Steps before that keep their positions before
+    the switch (step_limit)."""
     if C == rope_switch(model):
-        run_prompt(model, sequence, row)
+        run_prompt(model, prompt + tokens, row)
         return True
     return False
 
@@ -161,7 +162,7 @@ def before_step(model, policy, rows) -> int:
     limit = min(policy.largest, *(step_limit(model, row.C) for row in rows))
     worth_guessing = min(limit, policy.forecast(len(rows))) - 1  # all of a step but `last`
     for j, row in enumerate(rows):
-        if switch_rope(model, j, row.C, row.prompt + row.tokens):
+        if switch_rope(model, j, row.C, row.prompt, row.tokens):
             row.moves = []  # every committed slot written anew: nothing to roll back
         row.worth_guessing, row.asked = worth_guessing, policy.asked(row)
     return limit
@@ -210,7 +211,7 @@ def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, se
         if len(keep) < len(active):  # finished rows leave the batch (and the cache)
             active, C, next_tokens = [active[j] for j in keep], C[keep], next_tokens[keep]
         for j, b in enumerate(active):
-            switch_rope(model, j, lengths[b], prompts[b] + tokens[b])
+            switch_rope(model, j, lengths[b], prompts[b], tokens[b])
         span = min(lengths[b] for b in active), max(lengths[b] for b in active)
         logits = model.step(next_tokens, C, C, alone[:len(active)], span)  # (B, 1, V): each sees its committed slots
         next_tokens = sampling.pick(logits[:, -1], [gens[b] for b in active])

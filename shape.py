@@ -111,7 +111,7 @@ class DynamicShape:
     def costs(self, B: int) -> "StepCosts":
         if self.fixed_costs is not None:
             return self.fixed_costs
-        return STEP_COSTS.setdefault(self.model, {}).setdefault(B, StepCosts())
+        return once(once(STEP_COSTS, self.model, dict), B, StepCosts)
 
     def forecast(self, B: int) -> int:
         return min(self.largest, self.costs(B).forecast())
@@ -120,10 +120,10 @@ class DynamicShape:
         return None  # every candidate: the plan keeps those worth their cost
 
     def asked(self, row) -> list:
-        return self.ledgers.setdefault(row, SourceLedger(row.sources)).asked()
+        return once(self.ledgers, row, lambda: SourceLedger(row.sources)).asked()
 
     def plan(self, rows, trees, limit: int) -> list[tuple]:
-        return choose_shape([(tree, self.acceptance.setdefault(row, Acceptance()), len(row.window) or 1, MAX_WINDOW,
+        return choose_shape([(tree, once(self.acceptance, row, Acceptance), len(row.window) or 1, MAX_WINDOW,
                                row.jacobi in row.asked) for row, tree in zip(rows, trees)], self.costs(len(rows)), limit)
 
     def observe(self, rows, steps, T: int, seconds: float):
@@ -132,6 +132,14 @@ class DynamicShape:
             self.acceptance[row].record(step.tree, step.path, step.w, tested)
             self.ledgers[row].record(row, step, seconds, tested)
         self.costs(len(rows)).record(T, seconds)
+
+
+def once(table, key, make):
+    """table[key], made by make() the first time (a setdefault would make one on every call)."""
+    value = table.get(key)
+    if value is None:
+        value = table[key] = make()
+    return value
 
 
 class SourceLedger:
@@ -385,7 +393,10 @@ def keep(tree, nodes):
     kept_nodes, out = set(nodes) | {0}, type(tree)(tree.tokens[0])
     place = {v: i for i, v in enumerate(nodes)}
     first = lambda c: place.get(tree.children[0][c.tokens[0]], len(place)) if c.tokens else len(place)
-    for candidate in sorted(tree.candidates, key=first):
+    ranked = sorted(tree.candidates, key=first)
+    if len(kept_nodes) == len(tree) and ranked == tree.candidates:
+        return tree  # nothing cut, and already best first
+    for candidate in ranked:
         v, kept = 0, []
         for tok in candidate.tokens:
             v = tree.children[v][tok]
