@@ -361,8 +361,9 @@ class Sequence:
         new_tokens = new_tokens[:self.max_new - len(self.tokens)]
         new_tokens = new_tokens[:next((i + 1 for i, t in enumerate(new_tokens) if t in self.stop), None)]
         self.tokens += new_tokens
-        if self.output_ngrams:
-            N, text = self.N, self.prompt + self.tokens
+        if self.output_ngrams:  # the text's last N + len(new) tokens: the new n-grams and the token before
+            N, k = self.N, self.N + len(new_tokens)
+            text = self.tokens[-k:] if len(self.tokens) >= k else self.prompt[len(self.tokens) - k:] + self.tokens
             for end in range(max(N, len(text) - len(new_tokens) + 1), len(text) + 1):
                 self.pool.add(text[end - N:end], text[end - N - 1] if end > N else None)
         return new_tokens

@@ -553,6 +553,24 @@ def test_a_memory_is_shared_by_the_requests_and_rows_that_pass_it_only_and_chang
     assert len(small.ngrams) == len(small.rankings) == 5
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=8), st.lists(st.integers(1, 5), min_size=1, max_size=12),
+       st.integers(2, 4))
+def test_the_pool_holds_every_ngram_of_the_text_as_if_pooled_in_one_pass(prompt, chunks, N):
+    # A commit pools the n-grams ending in its tokens from the text's tail alone (not a join of
+    # prompt and output each step): the pool must be exactly one pass over the whole text, in
+    # order (the same recency, the same evictions, the same tokens seen before each).
+    from lookahead import Sequence
+    from shape import FixedShape
+    seq = Sequence(prompt, 100, FixedShape(1, N, 1), Sampling(0.0, 0, 1.0), 0, set(), torch.device("cpu"), True, None, None)
+    for n in chunks:
+        seq.commit([(len(seq.tokens) + i) % 3 for i in range(n)])
+    text, whole = prompt + seq.tokens, NGramPool(seq.pool.cap)
+    for i in range(len(text) - N + 1):
+        whole.add(text[i:i + N], text[i - 1] if i else None)
+    assert seq.pool.by_key == whole.by_key  # (OrderedDicts: equal in order too)
+
+
 def test_rollback_leaves_the_cache_of_a_greedy_run():
     model = random_model(seed=7, vocab_size=8)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
