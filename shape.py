@@ -167,12 +167,13 @@ class SourceLedger:
     def record(self, row, step, seconds: float, tested: list):
         """After a step; tested: the guesses it tested, labelled(step.tree, {0, *step.path})."""
         own = Counter()  # accepted guesses that one source alone proposed
-        makers = {}
+        makers = {node: set() for node in step.path}
         for node, (label, *_), _ in tested:
-            makers.setdefault(node, set()).add(row.made_by[label])
-        for node in step.path:
-            if len(makers[node]) == 1:
-                own[next(iter(makers[node]))] += 1
+            if node in makers:
+                makers[node].add(row.made_by[label])
+        for sources in makers.values():
+            if len(sources) == 1:
+                own[next(iter(sources))] += 1
         for s in self.sources:
             spent, self.spent_before[s] = row.spent[s] - self.spent_before[s], row.spent[s]
             if self.rest[s]:
@@ -273,7 +274,7 @@ class Acceptance:
 
     def p(self, key, prior: float) -> float:
         prior /= 2 ** key[2]
-        return (self.hits[key] + 2 * prior) / (self.trials[key] + 2)
+        return (self.hits.get(key, 0) + 2 * prior) / (self.trials.get(key, 0) + 2)  # (get: no __missing__ call)
 
     def record(self, tree, path: list[int], w: int, tested=None):
         """After a step: every guess whose parent was accepted was tested (labelled(tree, {0,
