@@ -390,7 +390,8 @@ def keep(tree, nodes):
     """The sub-trie of these nodes of a lookahead.Tree (closed under parents), best first:
     rebuilt from its candidates in the order of their first guesses in `nodes` (the order of
     value, or of the trie), so the first child of `last` is the best guess, and each node keeps
-    the first candidate through it: a step cut to the guesses it can hold."""
+    the first candidate through it: a step cut to the guesses it can hold. Where nothing is cut
+    and the candidates are already in that order, the trie itself (read only: never changed)."""
     kept_nodes, out = set(nodes) | {0}, type(tree)(tree.tokens[0])
     place = {v: i for i, v in enumerate(nodes)}
     first = lambda c: place.get(tree.children[0][c.tokens[0]], len(place)) if c.tokens else len(place)
