@@ -195,6 +195,24 @@ def window_layout(W: int, L: int):
     return rows, offsets
 
 
+@lru_cache(maxsize=512)
+def below_trie(n: int, w: int, L: int, size: int):
+    """The mask rows after a trie of n nodes, `size` bytes each: the window's w columns x L
+    levels (window_layout, past the trie; each row also attends to `last`), then padding
+    (itself only); and their positions after C. They follow from the shape alone, so a step
+    copies them in at once (made once per shape)."""
+    T = n + w * L
+    block, offsets = bytearray((size - n) * size), [0] * (size - n)
+    if L:
+        rows, offsets[:T - n] = window_layout(w, L)
+        for r, row in enumerate(rows):
+            block[r * size] = 1  # `last`
+            block[r * size + n:r * size + T] = row
+    for p in range(T, size):
+        block[(p - n) * size + p] = 1
+    return bytes(block), offsets
+
+
 def step_inputs(tree: Tree, window, w: int, size: int):
     """One row's step laid out as
 
@@ -206,25 +224,16 @@ def step_inputs(tree: Tree, window, w: int, size: int):
     are the next level). Padding attends only to itself. Plain Python and one bytearray: a step's
     host work is this, not a few dozen small tensor operations."""
     n, L = len(tree), len(window) if w else 0
-    T = n + w * L
-    block = bytearray(size * size)
+    rest, offsets = below_trie(n, w, L, size)
+    block = bytearray(n * size) + rest
     block[0] = 1
     for i in range(1, n):  # a guess sees what its parent sees, and itself
         p = tree.parent[i]
         block[i * size:i * size + n] = block[p * size:p * size + n]
         block[i * size + i] = 1
-    offsets = tree.depth + [0] * (size - n)
-    tokens = tree.tokens + [t for level in window[:L] for t in level[:w]] + [0] * (size - T)
-    if L:
-        rows, offsets[n:T] = window_layout(w, L)
-        for r, row in enumerate(rows):
-            start = (n + r) * size
-            block[start] = 1  # `last`
-            block[start + n:start + T] = row
-    for p in range(T, size):
-        block[p * size + p] = 1
+    tokens = tree.tokens + [t for level in window[:L] for t in level[:w]] + [0] * (size - n - w * L)
     read = list(range(n)) + list(range(n + (L - 1) * w, n + L * w))
-    return tokens, offsets, block, read
+    return tokens, tree.depth + offsets, block, read
 
 
 def verify_greedy(tree: Tree, pred) -> tuple[list[int], int]:
