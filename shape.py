@@ -166,21 +166,23 @@ class SourceLedger:
 
     def record(self, row, step, seconds: float, tested: list):
         """After a step; tested: the guesses it tested, labelled(step.tree, {0, *step.path})."""
-        own = Counter()  # accepted guesses that one source alone proposed
-        makers = {node: set() for node in step.path}
-        for node, (label, *_), _ in tested:
-            if node in makers:
-                makers[node].add(row.made_by[label])
-        for sources in makers.values():
-            if len(sources) == 1:
-                own[next(iter(sources))] += 1
+        own = {}  # accepted guesses that one source alone proposed
+        if step.path:
+            makers = {node: set() for node in step.path}
+            for node, key, _ in tested:
+                if node in makers:
+                    makers[node].add(row.made_by[key[0]])
+            for sources in makers.values():
+                if len(sources) == 1:
+                    s, = sources
+                    own[s] = own.get(s, 0) + 1
         for s in self.sources:
             spent, self.spent_before[s] = row.spent[s] - self.spent_before[s], row.spent[s]
             if self.rest[s]:
                 self.rest[s] -= 1
                 continue
             w = self.window[s]
-            w[:] = w[0] + 1, w[1] + spent, w[2] + seconds, w[3] + len(step.committed), w[4] + own[s]
+            w[:] = w[0] + 1, w[1] + spent, w[2] + seconds, w[3] + len(step.committed), w[4] + own.get(s, 0)
             if w[0] == self.WINDOW:
                 self.judge(s, *w[1:])
                 w[:] = 0, 0.0, 0.0, 0, 0
