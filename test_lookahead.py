@@ -146,7 +146,8 @@ def test_step_mask_is_the_trajectory_tree(W, L, chains):
     block = torch.frombuffer(block, dtype=torch.bool).view(size, size)
     want_mask, want_depth = trajectory_mask(tree, W, L)
     assert torch.equal(block[:T, :T], want_mask)
-    assert not block[:T, T:].any() and torch.equal(block[T:, T:], torch.eye(size - T, dtype=torch.bool))
+    assert not block[:T, T:].any() and not block[T:, :T].any()  # padding and the real rows never meet
+    assert torch.equal(block[T:, T:], torch.eye(size - T, dtype=torch.bool))
     assert torch.equal(offsets[:T], want_depth)  # positions after `last`'s
     assert seq[:T].tolist() == tree.tokens + [t for level in window for t in level]
     newest = list(range(len(tree) + (L - 1) * W, T)) if L else []
