@@ -224,7 +224,7 @@ def step_inputs(tree: Tree, window, w: int, size: int):
     are the next level). Padding attends only to itself. Plain Python and one bytearray: a step's
     host work is this, not a few dozen small tensor operations."""
     n, L = len(tree), len(window) if w else 0
-    rest, offsets = below_trie(n, w, L, size)
+    rest, offsets = below_trie(n, w, L, size)  # the window's rows and the padding's: fixed by the shape
     block = bytearray(n * size) + rest
     block[0] = 1
     for i in range(1, n):  # a guess sees what its parent sees, and itself
