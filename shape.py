@@ -394,12 +394,12 @@ def keep(tree, nodes):
     value, or of the trie), so the first child of `last` is the best guess, and each node keeps
     the first candidate through it: a step cut to the guesses it can hold. Where nothing is cut
     and the candidates are already in that order, the trie itself (read only: never changed)."""
-    kept_nodes, out = set(nodes) | {0}, type(tree)(tree.tokens[0])
-    place = {v: i for i, v in enumerate(nodes)}
+    kept_nodes, place = set(nodes) | {0}, {v: i for i, v in enumerate(nodes)}
     first = lambda c: place.get(tree.children[0][c.tokens[0]], len(place)) if c.tokens else len(place)
     ranked = sorted(tree.candidates, key=first)
     if len(kept_nodes) == len(tree) and ranked == tree.candidates:
         return tree  # nothing cut, and already best first
+    out = type(tree)(tree.tokens[0])
     for candidate in ranked:
         v, kept = 0, []
         for tok in candidate.tokens:
