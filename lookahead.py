@@ -485,7 +485,7 @@ def pack_inputs(model, rows: list[Sequence], parts: list, T: int):
     ints = array("q")
     for row, (tokens, offsets, _, read) in zip(rows, parts):
         moves = row.moves + [(0, 0)] * (M - len(row.moves))
-        ints.extend(tokens + [row.C + o for o in offsets] + read + read[:1] * (R - len(read)) + [row.C] +
+        ints.fromlist(tokens + [row.C + o for o in offsets] + read + read[:1] * (R - len(read)) + [row.C] +
                     [s for s, _ in moves] + [d for _, d in moves])
         row.moves = []
     masks = bytearray().join(block for *_, block, _ in parts)
