@@ -486,7 +486,7 @@ def pack_inputs(model, rows: list[Sequence], parts: list, T: int):
     for row, (tokens, offsets, _, read) in zip(rows, parts):
         moves = row.moves + [(0, 0)] * (M - len(row.moves))
         ints.fromlist(tokens + [row.C + o for o in offsets] + read + read[:1] * (R - len(read)) + [row.C] +
-                    [s for s, _ in moves] + [d for _, d in moves])
+                      [s for s, _ in moves] + [d for _, d in moves])
         row.moves = []
     masks = bytearray().join(block for *_, block, _ in parts)
     if model.device.type == "cpu":
