@@ -275,16 +275,17 @@ class Acceptance:
         self.window_columns = 0  # window columns run, summed over steps
 
     def p(self, key, prior: float) -> float:
-        prior /= 2 ** key[2]
-        return (self.hits.get(key, 0) + 2 * prior) / (self.trials.get(key, 0) + 2)  # (get: no __missing__ call)
+        # (get: a Counter's missing key is a Python call; chances runs this sum inline)
+        return (self.hits.get(key, 0) + 2 * (prior / 2 ** key[2])) / (self.trials.get(key, 0) + 2)
 
     def record(self, tree, path: list[int], w: int, tested=None):
         """After a step: every guess whose parent was accepted was tested (labelled(tree, {0,
         *path}), passed in where the caller has it); those on the path hit."""
-        on_path = set(path)
+        on_path, hits, trials = set(path), self.hits, self.trials
         for node, key, _ in labelled(tree, {0, *path}) if tested is None else tested:
-            self.trials[key] += 1
-            self.hits[key] += node in on_path
+            trials[key] = trials.get(key, 0) + 1  # (get, as in p)
+            if node in on_path:
+                hits[key] = hits.get(key, 0) + 1
         self.window_tokens += sum(tree.candidates[tree.origin[v]].from_window for v in path)
         self.window_columns += w
 
@@ -298,29 +299,31 @@ def labelled(tree, parents=None):
     """Every (guess, source label) pair of a lookahead.Tree once, as (node, key, prior), key =
     (label, depth, rank among the nodes under the same parent that this label reaches, in its
     candidates' order); only the children of `parents` where given."""
-    seen, siblings = set(), {}
+    seen, siblings, children, depth = set(), {}, tree.children, tree.depth
     for candidate in tree.candidates:
-        v, label = 0, candidate.source
+        v, label, prior = 0, candidate.source, candidate.prior
         for tok in candidate.tokens:
             if parents is not None and v not in parents:
                 break
-            child = tree.children[v][tok]
+            child = children[v][tok]
             if (child, label) not in seen:
                 seen.add((child, label))
                 rank = siblings[v, label] = siblings.get((v, label), -1) + 1
-                yield child, (label, tree.depth[child], rank), candidate.prior
+                yield child, (label, depth[child], rank), prior
             v = child
 
 
 def chances(tree, acceptance: Acceptance) -> list[float]:
     """Each guess's chance to be accepted: the product down the trie of each node's chance to be
     right if its parent is (the best estimate among the sources that proposed it)."""
-    right = [0.0] * len(tree)
-    for node, key, prior in labelled(tree):
-        right[node] = max(right[node], acceptance.p(key, prior))
-    chance = [1.0] * len(tree)
+    right, hits, trials = [0.0] * len(tree), acceptance.hits.get, acceptance.trials.get
+    for node, key, prior in labelled(tree):  # Acceptance.p inline: a call a guess costs more than its sum
+        p = (hits(key, 0) + 2 * (prior / 2 ** key[2])) / (trials(key, 0) + 2)
+        if p > right[node]:
+            right[node] = p
+    chance, parent = [1.0] * len(tree), tree.parent
     for i in range(1, len(tree)):  # parents come before children
-        chance[i] = chance[tree.parent[i]] * right[i]
+        chance[i] = chance[parent[i]] * right[i]
     return chance
 
 
@@ -352,15 +355,17 @@ def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limi
     for i in order:
         prefix.append(prefix[-1] + value[i])
     col_value = acceptance.window_yield()
-    best, size = {}, 1
+    widths = [0] + [1 << i for i in range(max_window.bit_length())]  # 0, 1, 2, 4, ... up to max_window
+    best, here, size = {}, (1.0, 0, 0), 1  # `last` alone, or a smaller step padded
     while size <= limit:
-        here, w = best.get(size // 2, (1.0, 0, 0)), 0  # `last` alone, or a smaller step padded
-        while w <= max_window and 1 + w * levels <= size:
-            n = min(len(order), size - 1 - w * levels)
+        for w in widths:
+            room = size - 1 - w * levels
+            if room < 0:
+                break
+            n = min(len(order), room)
             expected = 1 + prefix[n] + w * col_value
             if expected > here[0]:
                 here = (expected, n, w)
-            w = 2 * w if w else 1
         best[size] = here
         size *= 2
     return order, best
@@ -397,8 +402,8 @@ def keep(tree, nodes):
     kept_nodes, place = set(nodes) | {0}, {v: i for i, v in enumerate(nodes)}
     first = lambda c: place.get(tree.children[0][c.tokens[0]], len(place)) if c.tokens else len(place)
     ranked = sorted(tree.candidates, key=first)
-    if len(kept_nodes) == len(tree) and ranked == tree.candidates:
-        return tree  # nothing cut, and already best first
+    if len(kept_nodes) == len(tree):  # nothing cut: the trie itself where already best first
+        return tree if ranked == tree.candidates else type(tree)(tree.tokens[0], ranked)
     out = type(tree)(tree.tokens[0])
     for candidate in ranked:
         v, kept = 0, []
