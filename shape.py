@@ -18,6 +18,7 @@ import statistics
 import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 from model import STEP_SIZES, step_size
 
@@ -351,9 +352,7 @@ def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limi
             reach *= acceptance.p(("jacobi", depth, 0), JACOBI_PRIOR)
             value[i] += rejected * reach
     order = sorted(range(1, len(tree)), key=lambda i: (-value[i], tree.depth[i]))
-    prefix = [0.0]
-    for i in order:
-        prefix.append(prefix[-1] + value[i])
+    prefix = list(accumulate((value[i] for i in order), initial=0.0))  # the value of the best n: prefix[n]
     col_value = acceptance.window_yield()
     widths = [0] + [1 << i for i in range(max_window.bit_length())]  # 0, 1, 2, 4, ... up to max_window
     best, here, size = {}, (1.0, 0, 0), 1  # `last` alone, or a smaller step padded
