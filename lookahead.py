@@ -196,36 +196,42 @@ def window_layout(W: int, L: int):
 
 
 @lru_cache(maxsize=512)
-def below_trie(n: int, w: int, L: int, size: int):
-    """The mask rows after a trie of n nodes, `size` bytes each: the window's w columns x L
-    levels (window_layout, past the trie; each row also attends to `last`), then padding
-    (itself only); and their positions after C. They follow from the shape alone, so a step
-    copies them in at once (made once per shape)."""
+def mask_template(n: int, w: int, L: int, size: int):
+    """A row's (size x size) mask after a trie of n nodes, but for the trie's own rows (zero;
+    step_inputs fills them): the window's w columns x L levels (window_layout, past the trie;
+    each row also attends to `last`), then padding (itself only); and those rows' positions
+    after C. They follow from the shape alone, so a step copies them in at once (made once per
+    shape)."""
     T = n + w * L
-    block, offsets = bytearray((size - n) * size), [0] * (size - n)
+    block, offsets = bytearray(size * size), [0] * (size - n)
     if L:
         rows, offsets[:T - n] = window_layout(w, L)
-        for r, row in enumerate(rows):
+        for r, row in enumerate(rows, start=n):
             block[r * size] = 1  # `last`
             block[r * size + n:r * size + T] = row
     for p in range(T, size):
-        block[(p - n) * size + p] = 1
+        block[p * size + p] = 1
     return bytes(block), offsets
 
 
-def step_inputs(tree: Tree, window, w: int, size: int):
+def step_inputs(tree: Tree, window, w: int, size: int, block=None):
     """One row's step laid out as
 
         [ trie: last, guesses | window: w columns x L levels | padding ]
 
     -> tokens, positions after C (lists of `size`), the (size x size) in-step mask as bytes
-    (row-major, 1 = may attend) and the positions whose logits are read: every trie node (the
-    logits at node i predict the token after it), then the newest window level (its predictions
-    are the next level). Padding attends only to itself. Plain Python and one bytearray: a step's
-    host work is this, not a few dozen small tensor operations."""
+    (row-major, 1 = may attend), written into `block` where given (the step's buffer: the mask
+    is the step's largest input, so it is written once, where the forward reads it), and the
+    positions whose logits are read: every trie node (the logits at node i predict the token
+    after it), then the newest window level (its predictions are the next level). Padding
+    attends only to itself. Plain Python and one buffer: a step's host work is this, not a few
+    dozen small tensor operations."""
     n, L = len(tree), len(window) if w else 0
-    rest, offsets = below_trie(n, w, L, size)  # the window's rows and the padding's: fixed by the shape
-    block = bytearray(n * size) + rest
+    template, offsets = mask_template(n, w, L, size)  # the window's rows and the padding's: fixed by the shape
+    if block is None:
+        block = bytearray(template)
+    else:
+        block[:] = template
     block[0] = 1
     for i in range(1, n):  # a guess sees what its parent sees, and itself
         p = tree.parent[i]
@@ -320,12 +326,13 @@ class Sequence:
             source.observe(self, step)
             self.spent[source] += time.perf_counter() - start
 
-    def inputs(self, tree: Tree, w: int, size: int):
-        """step_inputs with w window columns (a new one starts from a random prompt token)."""
+    def inputs(self, tree: Tree, w: int, size: int, block):
+        """step_inputs with w window columns (a new one starts from a random prompt token), the
+        mask written into `block`."""
         if w:
             fresh = lambda n: [self.window_rng.choice(self.prompt) for _ in range(n)]
             self.window = [level[:w] + fresh(w - len(level)) for level in self.window] or [fresh(w)]
-        return step_inputs(tree, self.window, w, size)
+        return step_inputs(tree, self.window, w, size, block)
 
     def advance(self, tree: Tree, w: int, pred: list[int], rankings, path: list[int], bonus: int,
                 shape: Shape) -> Verified:
@@ -378,7 +385,7 @@ class Sequence:
         return new_tokens
 
 
-def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
+def lookahead_step(model, policy, rows: list[Sequence], buffer: "StepBuffer", on_step=None):
     """One forward for every row: the eight parts of the module docstring."""
     start = time.perf_counter()
     limit = before_step(model, policy, rows)  # the most tokens a step may hold: cache and policy
@@ -391,10 +398,10 @@ def lookahead_step(model, policy, rows: list[Sequence], on_step=None):
     T = max(shape.size for *_, shape in plans)
     # 3. Inputs: each row's [trie | window | padding], every token at its own position, under one
     #    mask that gives it exactly its trajectory's context.
-    parts = [row.inputs(tree, w, T) for row, (tree, w, _) in zip(rows, plans)]
+    parts = [row.inputs(tree, w, T, block) for row, (tree, w, _), block in zip(rows, plans, buffer.masks(len(rows), T))]
     # 4. Forward: one model call; the logits of the positions read only. It first rolls back
     #    the step before (8), whose indices travel with this step's inputs.
-    inputs = pack_inputs(model, rows, parts, T)
+    inputs = pack_inputs(model, rows, parts, T, buffer)
     forward = time.perf_counter()
     logits = model.step(*inputs)  # (B, R, V)
     pred, rankings = predictions(logits, rows)  # the one host sync of a greedy step
@@ -438,6 +445,7 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram
             for b, (p, m) in enumerate(zip(prompts, limits))]
     start_rows(model, rows, sampling, policy.forecast(len(rows)) - 1, start, on_tokens)
     active = list(range(len(rows)))  # the rows still decoding, in the cache's row order
+    buffer = StepBuffer(model.device)
     while True:
         if any(rows[b].done for b in active):
             settle(model, [rows[b] for b in active])  # before rows leave the cache, and at the end
@@ -449,7 +457,7 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram
                     row.out.source_seconds[source.name] = row.out.source_seconds.get(source.name, 0.0) + seconds
             return [row.out for row in rows]
         active = [active[j] for j in keep]
-        lookahead_step(model, policy, [rows[b] for b in active], on_step and (lambda j, s: on_step(active[j], s)))
+        lookahead_step(model, policy, [rows[b] for b in active], buffer, on_step and (lambda j, s: on_step(active[j], s)))
         for b in active:
             on_tokens and on_tokens(b, rows[b].tokens[len(rows[b].tokens) - rows[b].out.committed[-1]:])
 
@@ -468,35 +476,82 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, *, on_tokens=None, on_st
 #     row 1   [ last | guesses | window .......... ]
 # ---------------------------------------------------------------------------------------------
 
-def pack_inputs(model, rows: list[Sequence], parts: list, T: int):
-    """The step's inputs, built on the host as one array of ints (int64) and one of mask bytes,
-    sent in ONE host-to-device copy (one a tensor would be a sync point each on a GPU) and
-    viewed on the device as tokens (B, T), positions (B, T), committed (B, 1), the in-step mask
-    (B, T, T), the span of committed lengths (host), the positions read (B, R) and the step
-    before's roll back, (B, 2, M) slots (from, to), padded with slot 0 onto itself (None: none);
-    the rows' moves, sent, are cleared. On the CPU the two arrays are the tensors: no copy, and
-    fewer tensor operations (each costs the host ~10-30 us right after a CPU's forward)."""
+class StepBuffer:
+    """Where a step's inputs are written: one host buffer kept from step to step (on a GPU, with
+    a device twin that one copy fills). For B rows of T tokens and room for S moves it holds the
+    rows' (T x T) masks, then each row's ints at fixed places,
+
+        [ tokens: T | positions: T | committed: 1 | read: T | moves from: S | moves to: S ]
+
+    so the tensors a step reads are views made once per (B, T, S) and kept, the positions read
+    (R of T) and the moves (M of S) kept slices of them: a step makes no tensor on the host,
+    where each costs ~10-30 us right after a CPU's forward."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.host, self.layouts, self.slices = device, bytearray(), {}, {}
+
+    def masks(self, B: int, T: int) -> list[memoryview]:
+        """Where each row's mask goes (step_inputs writes it)."""
+        self.room(B * T * T)
+        buffer = memoryview(self.host)
+        return [buffer[b * T * T:(b + 1) * T * T] for b in range(B)]
+
+    def room(self, end: int):
+        if end > len(self.host):  # a larger step than any before: a new buffer (what it holds kept), new views
+            self.host, self.layouts, self.slices = bytearray(self.host) + bytearray(2 * end - len(self.host)), {}, {}
+
+    def load(self, ints: array, B: int, T: int, S: int, R: int, M: int) -> tuple:
+        """Write the step's ints (int64) after the masks -> tokens (B, T), positions (B, T),
+        committed (B, 1), the mask (B, T, T), read (B, R), moves (B, 2, M) or None."""
+        start = -(-B * T * T // 8) * 8  # the ints, 8-aligned after the masks
+        end = start + 8 * len(ints)
+        self.room(end)
+        memoryview(self.host)[start:end] = memoryview(ints).cast("B")
+        layout = self.layouts.get((B, T, S))
+        if layout is None:
+            layout = self.layouts[B, T, S] = self.views(B, T, S, start, end)
+        copy, (tokens, positions, C, reads, moves, block) = layout
+        if copy is not None:
+            copy[0].copy_(copy[1])  # the step's one host-to-device copy
+        read = self.slices.get((B, T, S, R, M))
+        if read is None:
+            read = self.slices[B, T, S, R, M] = reads[:, :R], moves[:, :, :M] if M else None
+        return tokens, positions, C, block, *read
+
+    def views(self, B: int, T: int, S: int, start: int, end: int):
+        data = source = torch.frombuffer(self.host, dtype=torch.uint8, count=end)
+        copy = None
+        if self.device.type != "cpu":
+            data = torch.empty(end, dtype=torch.uint8, device=self.device)
+            copy = data, source
+        numbers = data[start:end].view(torch.int64).view(B, -1)
+        tokens, positions, C, reads, moves = numbers.split_with_sizes((T, T, 1, T, 2 * S), 1)
+        return copy, (tokens, positions, C, reads, moves.view(B, 2, S), data[:B * T * T].view(torch.bool).view(B, T, T))
+
+
+def pack_inputs(model, rows: list[Sequence], parts: list, T: int, buffer: StepBuffer):
+    """The step's inputs: its ints (int64) written into the buffer after the masks (on a
+    device, sent in ONE host-to-device copy: one a tensor would be a sync point each on a GPU)
+    and read as tokens (B, T), positions (B, T), committed (B, 1), the in-step mask (B, T, T),
+    the span of committed lengths (host), the positions read (B, R) and the step before's roll
+    back, (B, 2, M) slots (from, to), padded with slot 0 onto itself (None: none); the rows'
+    moves, sent, are cleared. parts: each row's step_inputs, its mask written in buffer.masks."""
     B, R = len(rows), max(len(read) for *_, read in parts)
     M = max(len(row.moves) for row in rows)
     if model.compiled is not None and M:  # a compiled step takes a fixed number of moves
         if M > model.compiled.MOVES:  # more than its graph takes: done eagerly, once
             settle(model, rows)
         M = model.compiled.MOVES
+    S = max(16, 1 << (M - 1).bit_length())  # room for the moves: 16, or a power of two past it
     ints = array("q")
     for row, (tokens, offsets, _, read) in zip(rows, parts):
-        moves = row.moves + [(0, 0)] * (M - len(row.moves))
-        ints.fromlist(tokens + [row.C + o for o in offsets] + read + read[:1] * (R - len(read)) + [row.C] +
+        moves = row.moves + [(0, 0)] * (S - len(row.moves))
+        ints.fromlist(tokens + [row.C + o for o in offsets] + [row.C] + read + read[:1] * (T - len(read)) +
                       [s for s, _ in moves] + [d for _, d in moves])
         row.moves = []
-    masks = bytearray().join(block for *_, block, _ in parts)
-    if model.device.type == "cpu":
-        numbers, block = torch.frombuffer(ints, dtype=torch.int64), torch.frombuffer(masks, dtype=torch.bool)
-    else:
-        packed = torch.frombuffer(bytearray(ints.tobytes()) + masks, dtype=torch.uint8).to(model.device)
-        numbers, block = packed[:8 * len(ints)].view(torch.int64), packed[8 * len(ints):].view(torch.bool)
-    tokens, positions, read, C, moves = numbers.view(B, -1).split_with_sizes((T, T, R, 1, 2 * M), 1)
+    tokens, positions, C, block, read, moves = buffer.load(ints, B, T, S, R, M)
     span = min(row.C for row in rows), max(row.C for row in rows)
-    return tokens, positions, C, block.view(B, T, T), span, read, moves.view(B, 2, M) if M else None
+    return tokens, positions, C, block, span, read, moves
 
 
 def settle(model, rows: list[Sequence]):
