@@ -668,6 +668,7 @@ def test_a_steps_inputs_reach_a_device_in_one_copy_as_the_cpus_views():
     inputs, again = {}, {}
     for device in ("cpu", "meta"):
         model, buffer = SimpleNamespace(device=torch.device(device), compiled=None), lookahead.StepBuffer(torch.device(device))
+        buffer.host = bytearray(b"\xff" * 4096)  # what an earlier step left: every place read must be written
         for C, out in ((10, inputs), (30, again)):
             for mask, (_, _, block, _) in zip(buffer.masks(2, 4), parts):
                 mask[:] = block  # where step_inputs writes it
