@@ -398,7 +398,8 @@ def lookahead_step(model, policy, rows: list[Sequence], buffer: "StepBuffer", on
     T = max(shape.size for *_, shape in plans)
     # 3. Inputs: each row's [trie | window | padding], every token at its own position, under one
     #    mask that gives it exactly its trajectory's context.
-    parts = [row.inputs(tree, w, T, block) for row, (tree, w, _), block in zip(rows, plans, buffer.masks(len(rows), T))]
+    masks = buffer.masks(len(rows), T)  # each row's mask is written where the forward reads it
+    parts = [row.inputs(tree, w, T, block) for row, (tree, w, _), block in zip(rows, plans, masks)]
     # 4. Forward: one model call; the logits of the positions read only. It first rolls back
     #    the step before (8), whose indices travel with this step's inputs.
     inputs = pack_inputs(model, rows, parts, T, buffer)
@@ -457,7 +458,8 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram
                     row.out.source_seconds[source.name] = row.out.source_seconds.get(source.name, 0.0) + seconds
             return [row.out for row in rows]
         active = [active[j] for j in keep]
-        lookahead_step(model, policy, [rows[b] for b in active], buffer, on_step and (lambda j, s: on_step(active[j], s)))
+        lookahead_step(model, policy, [rows[b] for b in active], buffer,
+                       on_step and (lambda j, s: on_step(active[j], s)))
         for b in active:
             on_tokens and on_tokens(b, rows[b].tokens[len(rows[b].tokens) - rows[b].out.committed[-1]:])
 
