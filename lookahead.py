@@ -515,12 +515,14 @@ class StepBuffer:
         copy, (tokens, positions, C, reads, moves, block) = layout
         if copy is not None:
             copy[0].copy_(copy[1])  # the step's one host-to-device copy
-        read = self.slices.get((B, T, S, R, M))
-        if read is None:
-            read = self.slices[B, T, S, R, M] = reads[:, :R], moves[:, :, :M] if M else None
-        return tokens, positions, C, block, *read
+        cut = self.slices.get((B, T, S, R, M))  # (read (B, R), moves (B, 2, M) or None)
+        if cut is None:
+            cut = self.slices[B, T, S, R, M] = reads[:, :R], moves[:, :, :M] if M else None
+        return tokens, positions, C, block, *cut
 
     def views(self, B: int, T: int, S: int, start: int, end: int):
+        """A layout's tensors, over the host buffer itself on the CPU; elsewhere over a device
+        buffer of its own, with the (device, host) pair that load copies between."""
         data = source = torch.frombuffer(self.host, dtype=torch.uint8, count=end)
         copy = None
         if self.device.type != "cpu":
