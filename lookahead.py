@@ -34,7 +34,6 @@ what other draft sources (drafts.py) and the dynamic policy (shape.py) need.
 import random
 import time
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -53,7 +52,7 @@ class NGramPool(DraftSource):
 
     def __init__(self, cap: int):
         self.cap = cap
-        self.by_key: dict[int, OrderedDict] = {}  # first token -> {rest: [tokens before it, from window?]}
+        self.by_key: dict[int, dict] = {}  # first token -> {rest: [tokens before it, from window?]}, oldest first
 
     def remember(self, memory):
         self.by_key = memory.ngrams  # shared: what other rows and requests pooled (drafts.Memory)
@@ -64,15 +63,14 @@ class NGramPool(DraftSource):
         key, rest = ngram[0], tuple(ngram[1:])
         entries = self.by_key.get(key)
         if entries is None:
-            entries = OrderedDict()
+            entries = {}
         self.by_key[key] = entries  # (written again: a Memory keeps the recently written)
-        entry = entries.get(rest)
+        entry = entries.pop(rest, None)  # (a plain dict, least recent first: it touches less memory than an OrderedDict)
         if entry is None:
-            entry = entries[rest] = [set(), from_window]
-            if len(entries) > self.cap:
-                entries.popitem(last=False)
-        else:
-            entries.move_to_end(rest)
+            entry = [set(), from_window]
+            if len(entries) == self.cap:
+                del entries[next(iter(entries))]
+        entries[rest] = entry
         if before is not None:
             entry[0].add(before)
 
@@ -363,10 +361,10 @@ class Sequence:
         if not new_level:
             return pooled  # no window this step
         if len(window) == self.N - 1:
-            for j, ngram in enumerate(zip(*window, new_level)):  # column j, top to bottom, and its prediction
-                # column j's trajectory continues level 0 after its column j-1 (or `last`)
-                pooled.append(ngram)
-                self.pool.add(ngram, window[0][j - 1] if j else last, from_window=True)
+            pooled = list(zip(*window, new_level))  # column j, top to bottom, and its prediction
+            # column j's trajectory continues level 0 after its column j-1 (or `last`)
+            for ngram, before in zip(pooled, [last, *window[0]]):
+                self.pool.add(ngram, before, from_window=True)
             window.pop(0)
         window.append(new_level)
         return pooled
