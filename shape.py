@@ -16,7 +16,7 @@ tries of drafts.Candidate chains.
 import math
 import statistics
 import weakref
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
@@ -25,6 +25,7 @@ from model import STEP_SIZES, step_size
 # The dynamic shape's limits: window columns, pooled n-grams per key, tokens per step.
 MAX_WINDOW, MAX_CANDIDATES, MAX_STEP = 16, 16, STEP_SIZES[-1]
 JACOBI_PRIOR = 0.3  # the Jacobi guess's candidates state Candidate's default prior
+UNSEEN = (0, 0)  # an Acceptance key's hits and trials before its first test
 
 
 @dataclass
@@ -106,13 +107,16 @@ class DynamicShape:
     def __init__(self, N: int, model, costs: "StepCosts | None" = None):
         self.N, self.model, self.fixed_costs = N, model, costs
         self.pool_cap, self.acceptance, self.ledgers = MAX_CANDIDATES, {}, {}  # row -> its Acceptance, SourceLedger
+        self.step_costs = {}  # B -> StepCosts of B-row steps (STEP_COSTS' entry, looked up once)
         size = step_size(1 + (MAX_WINDOW + MAX_CANDIDATES) * (N - 1))
         self.largest = min(MAX_STEP, 2 * size)
 
     def costs(self, B: int) -> "StepCosts":
-        if self.fixed_costs is not None:
-            return self.fixed_costs
-        return once(once(STEP_COSTS, self.model, dict), B, StepCosts)
+        costs = self.step_costs.get(B)
+        if costs is None:
+            costs = self.step_costs[B] = (self.fixed_costs if self.fixed_costs is not None else
+                                          once(once(STEP_COSTS, self.model, dict), B, StepCosts))
+        return costs
 
     def forecast(self, B: int) -> int:
         return min(self.largest, self.costs(B).forecast())
@@ -271,22 +275,24 @@ class Acceptance:
     which the sources are listed changes nothing learned."""
 
     def __init__(self):
-        self.hits, self.trials = Counter(), Counter()
+        self.counts = {}  # key -> [hits, trials] (one dict: a step looks each key up once)
         self.window_tokens = 0  # tokens committed through n-grams the window made
         self.window_columns = 0  # window columns run, summed over steps
 
     def p(self, key, prior: float) -> float:
-        # (get: a Counter's missing key is a Python call; chances runs this sum inline)
-        return (self.hits.get(key, 0) + 2 * (prior / 2 ** key[2])) / (self.trials.get(key, 0) + 2)
+        hits, trials = self.counts.get(key, UNSEEN)  # (chances runs this sum inline)
+        return (hits + 2 * (prior / 2 ** key[2])) / (trials + 2)
 
     def record(self, tree, path: list[int], w: int, tested=None):
         """After a step: every guess whose parent was accepted was tested (labelled(tree, {0,
         *path}), passed in where the caller has it); those on the path hit."""
-        on_path, hits, trials = set(path), self.hits, self.trials
+        on_path, counts = set(path), self.counts
         for node, key, _ in labelled(tree, {0, *path}) if tested is None else tested:
-            trials[key] = trials.get(key, 0) + 1  # (get, as in p)
-            if node in on_path:
-                hits[key] = hits.get(key, 0) + 1
+            seen = counts.get(key)
+            if seen is None:
+                seen = counts[key] = [0, 0]
+            seen[0] += node in on_path
+            seen[1] += 1
         self.window_tokens += sum(tree.candidates[tree.origin[v]].from_window for v in path)
         self.window_columns += w
 
@@ -317,9 +323,10 @@ def labelled(tree, parents=None):
 def chances(tree, acceptance: Acceptance) -> list[float]:
     """Each guess's chance to be accepted: the product down the trie of each node's chance to be
     right if its parent is (the best estimate among the sources that proposed it)."""
-    right, hits, trials = [0.0] * len(tree), acceptance.hits.get, acceptance.trials.get
+    right, counts = [0.0] * len(tree), acceptance.counts.get
     for node, key, prior in labelled(tree):  # Acceptance.p inline: a call a guess costs more than its sum
-        p = (hits(key, 0) + 2 * (prior / 2 ** key[2])) / (trials(key, 0) + 2)
+        hits, trials = counts(key, UNSEEN)
+        p = (hits + 2 * (prior / 2 ** key[2])) / (trials + 2)
         if p > right[node]:
             right[node] = p
     chance, parent = [1.0] * len(tree), tree.parent
@@ -381,8 +388,8 @@ def choose_shape(rows, costs: StepCosts, limit: int) -> list[tuple]:
     rate, T, size = 0.0, 1, 1  # `last` alone, should a cost model offer no size at all
     while size <= limit:
         cost = costs.estimate(size)
-        if cost is not None and sum(best[size][0] for _, best in values) / cost > rate:
-            rate, T = sum(best[size][0] for _, best in values) / cost, size
+        if cost is not None and (expected := sum(best[size][0] for _, best in values)) / cost > rate:
+            rate, T = expected / cost, size
         size *= 2
     shapes = []
     for (tree, _, levels, *_), (order, best) in zip(rows, values):
