@@ -329,7 +329,8 @@ class Sequence:
         mask written into `block`."""
         if w:
             fresh = lambda n: [self.window_rng.choice(self.prompt) for _ in range(n)]
-            self.window = [level[:w] + fresh(w - len(level)) for level in self.window] or [fresh(w)]
+            self.window = [level if len(level) == w else level[:w] + fresh(w - len(level))
+                           for level in self.window] or [fresh(w)]
         return step_inputs(tree, self.window, w, size, block)
 
     def advance(self, tree: Tree, w: int, pred: list[int], rankings, path: list[int], bonus: int,
@@ -339,7 +340,7 @@ class Sequence:
         slots = [self.C] + [self.C + v for v in path]
         self.moves = [(s, d) for d, s in enumerate(slots, start=self.C) if s != d]  # 8, for the next forward
         self.C += len(slots)
-        window = [level[:w] for level in self.window] if w else []
+        window = self.window[:] if w else []  # (its levels, w long, are never changed: new ones replace them)
         read = tree.tokens + (window[-1] if w else [])
         # 6. The window moves on before the commit pools the committed text's n-grams.
         pooled = self.update_window(tree.tokens[0], pred[len(tree):len(tree) + w])
