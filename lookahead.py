@@ -68,7 +68,7 @@ class NGramPool(DraftSource):
         entry = entries.pop(rest, None)  # (a plain dict, least recent first: it touches less memory than an OrderedDict)
         if entry is None:
             entry = [set(), from_window]
-            if len(entries) == self.cap:
+            if len(entries) >= self.cap:  # (>=: a shared Memory may hold what a larger cap pooled)
                 del entries[next(iter(entries))]
         entries[rest] = entry
         if before is not None:

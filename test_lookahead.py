@@ -181,6 +181,11 @@ def test_pool_cap_lru_and_refresh():
     empty = NGramPool(cap=0)
     empty.add([1, 2])
     assert continuations(empty, 1) == []
+    # A smaller cap sharing a Memory's n-grams with a larger one: a key never grows past what it holds.
+    small = NGramPool(cap=1)
+    small.by_key = pool.by_key
+    small.add([1, 8, 9])
+    assert continuations(pool, 1) == [(8, 9), (6, 7)]
 
 
 def test_pool_ranks_ngrams_seen_after_the_same_token_first():
