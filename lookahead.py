@@ -33,6 +33,7 @@ what other draft sources (drafts.py) and the dynamic policy (shape.py) need.
 """
 import random
 import time
+import weakref
 from array import array
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -445,7 +446,7 @@ def lookahead_decode_batch(model, prompts, max_new_tokens, *, window=None, ngram
             for b, (p, m) in enumerate(zip(prompts, limits))]
     start_rows(model, rows, sampling, policy.forecast(len(rows)) - 1, start, on_tokens)
     active = list(range(len(rows)))  # the rows still decoding, in the cache's row order
-    buffer = StepBuffer(model.device)
+    buffer = step_buffer(model, len(rows), policy.largest)
     while True:
         if any(rows[b].done for b in active):
             settle(model, [rows[b] for b in active])  # before rows leave the cache, and at the end
@@ -486,10 +487,11 @@ class StepBuffer:
 
     so the tensors a step reads are views made once per (B, T, S) and kept, the positions read
     (R of T) and the moves (M of S) kept slices of them: a step makes no tensor on the host,
-    where each costs ~10-30 us right after a CPU's forward."""
+    where each costs ~10-30 us right after a CPU's forward. A model keeps its buffer from one
+    request to the next (step_buffer), so the views a request needs were mostly made before."""
 
     def __init__(self, device: torch.device):
-        self.device, self.host, self.layouts, self.slices = device, bytearray(), {}, {}
+        self.device, self.host, self.layouts, self.read_slices, self.move_slices = device, bytearray(), {}, {}, {}
 
     def masks(self, B: int, T: int) -> list[memoryview]:
         """Where each row's mask goes (step_inputs writes it)."""
@@ -499,7 +501,8 @@ class StepBuffer:
 
     def room(self, end: int):
         if end > len(self.host):  # a larger step than any before: a new buffer (what it holds kept), new views
-            self.host, self.layouts, self.slices = bytearray(self.host) + bytearray(2 * end - len(self.host)), {}, {}
+            self.host = bytearray(self.host) + bytearray(2 * end - len(self.host))
+            self.layouts, self.read_slices, self.move_slices = {}, {}, {}
 
     def load(self, ints: array, B: int, T: int, S: int, R: int, M: int) -> tuple:
         """Write the step's ints (int64) after the masks -> tokens (B, T), positions (B, T),
@@ -514,10 +517,13 @@ class StepBuffer:
         copy, (tokens, positions, C, reads, moves, block) = layout
         if copy is not None:
             copy[0].copy_(copy[1])  # the step's one host-to-device copy
-        cut = self.slices.get((B, T, S, R, M))  # (read (B, R), moves (B, 2, M) or None)
-        if cut is None:
-            cut = self.slices[B, T, S, R, M] = reads[:, :R], moves[:, :, :M] if M else None
-        return tokens, positions, C, block, *cut
+        read = self.read_slices.get((B, T, S, R))  # each kept apart: R changes most steps, M seldom
+        if read is None:
+            read = self.read_slices[B, T, S, R] = reads[:, :R]
+        moved = self.move_slices.get((B, T, S, M))
+        if moved is None:
+            moved = self.move_slices[B, T, S, M] = moves[:, :, :M] if M else None
+        return tokens, positions, C, block, read, moved
 
     def views(self, B: int, T: int, S: int, start: int, end: int):
         """A layout's tensors, over the host buffer itself on the CPU; elsewhere over a device
@@ -530,6 +536,20 @@ class StepBuffer:
         numbers = data[start:end].view(torch.int64).view(B, -1)
         tokens, positions, C, reads, moves = numbers.split_with_sizes((T, T, 1, T, 2 * S), 1)
         return copy, (tokens, positions, C, reads, moves.view(B, 2, S), data[:B * T * T].view(torch.bool).view(B, T, T))
+
+
+# Each process keeps one StepBuffer per model: a request reuses the views earlier ones made.
+STEP_BUFFERS = weakref.WeakKeyDictionary()
+
+
+def step_buffer(model, B: int, T: int) -> StepBuffer:
+    """The model's StepBuffer (a new one where none is kept, or the model moved to another
+    device), with room for B rows of T tokens: one that grew mid-request would remake its views."""
+    buffer = STEP_BUFFERS.get(model)
+    if buffer is None or buffer.device != model.device:
+        buffer = STEP_BUFFERS[model] = StepBuffer(model.device)
+    buffer.room(B * T * T + 8 + 8 * B * (3 * T + 1 + 2 * max(16, T)))  # masks, alignment, ints (S <= max(16, T))
+    return buffer
 
 
 def pack_inputs(model, rows: list[Sequence], parts: list, T: int, buffer: StepBuffer):

@@ -722,6 +722,20 @@ def test_a_steps_work_outside_the_forward_does_not_grow_with_layers_nor_inside_i
                                   "zeros", "full", "constant_pad_nd", "arange"}, grown  # (arange: the rows' index)
 
 
+def test_a_models_step_buffer_outlives_the_request():
+    # The model keeps its StepBuffer: the same request again finds every layout and slice its
+    # steps read already made, so outside the forward each step runs only the predictions' 3 ops.
+    import lookahead
+    model, outside = random_model(seed=8, vocab_size=8), []
+    for _ in range(2):
+        counter = HostWork()
+        with mock.patch.object(lookahead, "lookahead_step", counter.wrap(model, lookahead.lookahead_step)):
+            lookahead_decode(model, [1, 2, 3, 1, 2, 3, 1, 2], 40, window=4, ngram=4, candidates=4)
+        del model.step
+        outside.append([sum(c.values()) for c in counter.outside])
+    assert max(outside[0]) > 3 and set(outside[1]) == {3}, outside
+
+
 def test_stop_inside_an_accepted_ngram():
     # Find a step that accepts several tokens, and make one in its middle (not seen before) the
     # stop id: generation must end right there, as greedy's does.
