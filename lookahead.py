@@ -68,12 +68,12 @@ class NGramPool(DraftSource):
         self.by_key[key] = entries  # (written again: a Memory keeps the recently written)
         entry = entries.pop(rest, None)  # (a plain dict, least recent first: it touches less memory than an OrderedDict)
         if entry is None:
-            entry = [set(), from_window]
+            entry = [(), from_window]  # (the tokens seen before it: a tuple, as most have one; a set is 4x the memory)
             if len(entries) >= self.cap:  # (>=: a shared Memory may hold what a larger cap pooled)
                 del entries[next(iter(entries))]
         entries[rest] = entry
-        if before is not None:
-            entry[0].add(before)
+        if before is not None and before not in entry[0]:
+            entry[0] += (before,)
 
     def ranked(self, key, before=None) -> list[tuple]:
         """The continuations of `key` as (rest, seen after `before`?, from the window?): those seen

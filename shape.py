@@ -405,17 +405,17 @@ def keep(tree, nodes):
     value, or of the trie), so the first child of `last` is the best guess, and each node keeps
     the first candidate through it: a step cut to the guesses it can hold. Where nothing is cut
     and the candidates are already in that order, the trie itself (read only: never changed)."""
-    kept_nodes, place = set(nodes) | {0}, {v: i for i, v in enumerate(nodes)}
+    place = {v: i for i, v in enumerate(nodes)}  # each kept guess's rank (`last`, node 0, is always kept)
     first = lambda c: place.get(tree.children[0][c.tokens[0]], len(place)) if c.tokens else len(place)
     ranked = sorted(tree.candidates, key=first)
-    if len(kept_nodes) == len(tree):  # nothing cut: the trie itself where already best first
+    if len(place) == len(tree) - 1:  # nothing cut: the trie itself where already best first
         return tree if ranked == tree.candidates else type(tree)(tree.tokens[0], ranked)
     out = type(tree)(tree.tokens[0])
     for candidate in ranked:
         v, kept = 0, []
         for tok in candidate.tokens:
             v = tree.children[v][tok]
-            if v not in kept_nodes:
+            if v not in place:
                 break
             kept.append(tok)
         out.add(candidate if len(kept) == len(candidate.tokens) else replace(candidate, tokens=tuple(kept)))
