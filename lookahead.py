@@ -507,7 +507,7 @@ class StepBuffer:
     def load(self, ints: array, B: int, T: int, S: int, R: int, M: int) -> tuple:
         """Write the step's ints (int64) after the masks -> tokens (B, T), positions (B, T),
         committed (B, 1), the mask (B, T, T), read (B, R), moves (B, 2, M) or None."""
-        start = -(-B * T * T // 8) * 8  # the ints, 8-aligned after the masks
+        start = self.ints_at(B, T)
         end = start + 8 * len(ints)
         self.room(end)
         memoryview(self.host)[start:end] = memoryview(ints).cast("B")
@@ -524,6 +524,11 @@ class StepBuffer:
         if moved is None:
             moved = self.move_slices[B, T, S, M] = moves[:, :, :M] if M else None
         return tokens, positions, C, block, read, moved
+
+    @staticmethod
+    def ints_at(B: int, T: int) -> int:
+        """Where a step's ints start in the buffer: 8-aligned after its B (T x T) masks."""
+        return -(-B * T * T // 8) * 8
 
     def views(self, B: int, T: int, S: int, start: int, end: int):
         """A layout's tensors, over the host buffer itself on the CPU; elsewhere over a device
@@ -548,7 +553,7 @@ def step_buffer(model, B: int, T: int) -> StepBuffer:
     buffer = STEP_BUFFERS.get(model)
     if buffer is None or buffer.device != model.device:
         buffer = STEP_BUFFERS[model] = StepBuffer(model.device)
-    buffer.room(B * T * T + 8 + 8 * B * (3 * T + 1 + 2 * max(16, T)))  # masks, alignment, ints (S <= max(16, T))
+    buffer.room(StepBuffer.ints_at(B, T) + 8 * B * (3 * T + 1 + 2 * max(16, T)))  # (moves' room S <= max(16, T))
     return buffer
 
 
