@@ -38,7 +38,7 @@ import torch
 from cli import DTYPES, build_default_model, drafts_from, resolve_model
 from decoding import greedy_decode, greedy_decode_batch
 from drafts import Memory
-from lookahead import lookahead_decode, lookahead_decode_batch
+from engine import generate, generate_batch
 from shape import StepCosts
 from model import STEP_SIZES, Transformer
 from tokenizer import Tokenizer
@@ -79,7 +79,7 @@ def machine(device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """A lookahead decoder to measure: its name and lookahead_decode's options."""
+    """A lookahead decoder to measure: its name and engine.generate's options."""
     name: str
     options: tuple = ()  # (key, value) pairs
 
@@ -180,7 +180,7 @@ def bench_batch(model, prompts, B, configs, names, greedy, lookahead, n_new, sto
             if cfg == "greedy":
                 out += greedy_decode_batch(model, chunk, n_new, stop)
             else:
-                out += lookahead_decode_batch(model, chunk, n_new, stop_ids=stop, costs=costs, **dict(cfg.options))
+                out += generate_batch(model, chunk, n_new, stop_ids=stop, costs=costs, **dict(cfg.options))
         return out
 
     def one_by_one(cfg):
@@ -646,7 +646,7 @@ def main(argv=None):
         return greedy_decode(model, ids, n_new, stop)
 
     def lookahead(ids, cfg, memory=None):  # costs: the dynamic shape's (a fixed one has none)
-        return lookahead_decode(model, ids, n_new, stop_ids=stop, costs=costs, memory=memory, **dict(cfg.options))
+        return generate(model, ids, n_new, stop_ids=stop, costs=costs, memory=memory, **dict(cfg.options))
 
     command = "python bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"{'' if args.markdown else '# '}`{command}`: {machine(device)}, {str(dtype).removeprefix('torch.')}, "

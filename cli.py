@@ -16,8 +16,9 @@ import torch
 
 from decoding import Generation, Sampling, greedy_decode, greedy_decode_batch, sample_decode
 from explain import explain_step
-from drafts import DraftSource, Memory
-from lookahead import JacobiGuess, lookahead_decode, lookahead_decode_batch
+from drafts import DraftSource, JacobiGuess, Memory
+import lookahead
+from engine import generate, generate_batch
 from checkpoint import check_device_dtype
 from model import Transformer
 from recycling import TokenRecycling
@@ -29,13 +30,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 COLOURS = {2: "36", 3: "32", 4: "33", 5: "35"}
 
 
-# The draft sources by name, each made per sequence (lookahead_decode's `drafts`); any other
+# The draft sources by name, each made per sequence (engine.generate's `drafts`); any other
 # source is FILE.py:ClassName, a DraftSource in the user's own file (load_source).
 DRAFTS = {"pool": lambda seq: seq.pool, "jacobi": lambda seq: JacobiGuess(), "recycling": lambda seq: TokenRecycling()}
 
 
 def drafts_from(names: str):
-    """'pool,recycling,jacobi,my_source.py:MySource' -> lookahead_decode's drafts (None: the
+    """'pool,recycling,jacobi,my_source.py:MySource' -> engine.generate's drafts (None: the
     default, pool and jacobi). A source from a file is made per sequence as ClassName()."""
     chosen = names.split(",")
     if len(set(chosen)) < len(chosen) or not all(chosen):
@@ -132,7 +133,7 @@ def parse_args(argv):
     ap.add_argument("--candidates", type=int, default=None,
                     help="G (the paper's guess set size): candidates verified per step (default: the dynamic "
                          "shape, chosen per step)")
-    ap.add_argument("--drafts", default="pool,jacobi",
+    ap.add_argument("--drafts", default=None,
                     help=f"the draft sources, in order: {', '.join(DRAFTS)}, or FILE.py:ClassName, a DraftSource "
                          "of your own (default pool,jacobi; recycling offers as much of its 80-guess tree as a step holds)")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
@@ -143,8 +144,9 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--show", action="store_true", help="colour tokens by how many their step committed")
     ap.add_argument("--explain", type=int, nargs="?", const=4, default=0, metavar="STEPS",
-                    help="print what the first STEPS steps did (default 4): window, pooled n-grams, trie, verdict; "
-                         f"without --window/--candidates in the paper's fixed shape {EXPLAIN_SHAPE}")
+                    help="decode with lookahead.py itself (the paper: greedy, the n-gram pool, a fixed shape) and "
+                         "print what its first STEPS steps did (default 4): window, pooled n-grams, trie, verdict; "
+                         f"without --window/--candidates in the shape {EXPLAIN_SHAPE}")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--compile", action="store_true",
                     help="compile every step size first (CUDA graphs on a GPU; about a minute per size on a CPU)")
@@ -159,6 +161,9 @@ def parse_args(argv):
         ap.error("give one of --prompt, --prompt-file or --batch")
     if args.batch is not None and (args.explain or args.show or args.compile):
         ap.error("--explain and --show follow one prompt, and a compiled model decodes one; not with --batch")
+    if args.explain and (args.drafts is not None or not (args.temperature == 0 or args.top_k == 1)):
+        ap.error("--explain runs lookahead.py, the paper's decode: greedy with the n-gram pool alone "
+                 "(no --drafts, no sampling)")
     if args.explain and args.window is None and args.candidates is None:
         args.window, args.ngram, args.candidates = (int(x) for x in EXPLAIN_SHAPE.split(","))
     if args.batch is not None and args.greedy and not (args.temperature == 0 or args.top_k == 1):
@@ -184,7 +189,7 @@ def parse_args(argv):
             ap.error(f"--{name} must be at least {least}, got {value}")
     try:
         args.sampling = Sampling(args.temperature, args.top_k, args.top_p)
-        args.draft_sources = drafts_from(args.drafts)
+        args.draft_sources = drafts_from(args.drafts or "pool,jacobi")
     except ValueError as e:
         ap.error(str(e))
     if args.prompt_file is not None:
@@ -270,12 +275,16 @@ def main(argv=None):
                 elif greedy:
                     gen = sample_decode(model, prompt_ids, args.max_new_tokens, sampling.temperature, sampling.top_k,
                                         sampling.top_p, args.seed, stop_ids, on_tokens if stream else None)
+                elif args.explain:  # the reference itself: the code a learner reads is the code explained
+                    gen = lookahead.lookahead_decode(model, prompt_ids, args.max_new_tokens, window=args.window,
+                                                     ngram=args.ngram or 5, candidates=args.candidates,
+                                                     stop_ids=stop_ids, on_step=explain)
+                    stream and on_tokens(gen.tokens)
                 else:
-                    gen = lookahead_decode(model, prompt_ids, args.max_new_tokens, window=args.window, ngram=args.ngram,
-                                           candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
-                                           temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                           drafts=args.draft_sources, on_tokens=on_tokens if stream else None,
-                                           on_step=explain if args.explain else None)
+                    gen = generate(model, prompt_ids, args.max_new_tokens, window=args.window, ngram=args.ngram,
+                                   candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
+                                   temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                   drafts=args.draft_sources, on_tokens=on_tokens if stream else None)
             finally:
                 if stream:
                     print(out.flush(), flush=True)
@@ -309,7 +318,8 @@ def stats(gen: Generation, prompt_tokens: int) -> str:
     return (f"{len(gen.tokens)} tokens, {gen.steps} steps, {gen.tokens_per_step:.2f} tokens/step "
             f"(steps by tokens committed {hist or '-'}" + (f"; by size {sizes}" if sizes else "")
             + f"), prefill {prompt_tokens} tokens in {gen.prefill_seconds:.2f} s, "
-            f"decode {gen.decode_tokens_per_second:.1f} tokens/s, {gen.tokens_per_second:.1f} tokens/s in all")
+            f"decode {gen.decode_tokens_per_second:.1f} tokens/s, {gen.tokens_per_second:.1f} tokens/s in all"
+            + (f"; draft sources {', '.join(gen.source_seconds)}" if gen.source_seconds else ""))
 
 
 def run_batch(args, model, tokenizer, prompts, stop_ids) -> int:
@@ -322,10 +332,10 @@ def run_batch(args, model, tokenizer, prompts, stop_ids) -> int:
         if greedy:
             gens = greedy_decode_batch(model, prompts, args.max_new_tokens, stop_ids)
         else:
-            gens = lookahead_decode_batch(model, prompts, args.max_new_tokens, window=args.window, ngram=args.ngram,
-                                          candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
-                                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                          drafts=args.draft_sources, memory=Memory())  # the rows share theirs
+            gens = generate_batch(model, prompts, args.max_new_tokens, window=args.window, ngram=args.ngram,
+                                  candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
+                                  temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                  drafts=args.draft_sources, memory=Memory())  # the rows share theirs
         runs.append((greedy, gens, time.perf_counter() - start))
     stop = set(stop_ids)
     for i, (ids, gen) in enumerate(zip(prompts, runs[-1][1])):

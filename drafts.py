@@ -1,33 +1,22 @@
 """Draft sources: where a lookahead step's guesses come from, and what a new one implements.
 
-lookahead.py has the paper's source, the n-gram pool, and this project's Jacobi guess;
-recycling.py has token recycling. Every one of them keeps the contract of DraftSource below.
+The paper's source is the n-gram pool (lookahead.NGramPool, here as PoolSource); JacobiGuess is
+this project's addition; recycling.py has token recycling. Every one of them keeps the contract
+of DraftSource below.
 """
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from decoding import prefill
-
-
-@dataclass(slots=True)  # read only, yet not frozen: a frozen one takes ~4x as long to make (dozens a step)
-class Candidate:
-    """A chain of guesses continuing `last`, and who made it. `source` is the label the dynamic
-    shape learns it by (how often such guesses are right, per depth and rank); `prior` is the
-    chance its first guess is right before any was seen, stated by the source (worth two
-    observations); from_window marks an n-gram the lookahead window made (it credits the window)."""
-    tokens: tuple
-    source: str
-    from_window: bool = False
-    prior: float = 0.3
+from lookahead import Candidate, NGramPool
 
 
 class DraftSource:
     """Where guesses come from: the contract every draft source keeps. Whatever a source proposes,
     the output stays exactly greedy's (or plain sampling's distribution): verification accepts
     only what the model itself says. A source is made per row (a prompt of the batch): by
-    lookahead_decode(..., drafts=f), f(seq) -> the row's sources (default [seq.pool,
+    engine.generate(..., drafts=f), f(seq) -> the row's sources (default [seq.pool,
     JacobiGuess()]); from the command line, `--drafts pool,FILE.py:ClassName,jacobi` makes
     ClassName() per row.
 
@@ -40,7 +29,7 @@ class DraftSource:
         longer chains are cut). Any number, any length, empty or repeated: the trie merges shared
         prefixes. A tree of guesses goes as its leaf chains, the best-ranked first. The dynamic
         shape skips a source's propose on steps where it does not pay for its time (below);
-      - after every step, observe(seq, step) with the row's Verified record, seq already holding
+      - after every step, observe(seq, step) with the row's RowStep record (engine.py), seq already holding
         what it committed (step.committed). The prefill's first token comes the same way, as a
         step with no guesses: every committed token reaches observe exactly once, proposed or not.
 
@@ -66,7 +55,7 @@ class DraftSource:
     steps). A source under 2% of the steps' time is always asked.
 
     rankings: how many of the model's best next tokens the source reads after every position a
-    step reads (Verified.rankings, None unless some source of the row asks) while
+    step reads (RowStep.rankings, None unless some source of the row asks) while
     wants_rankings(seq.worth_guessing) says they are worth reading; 0: none (the default).
     Not to be confused with sampling's top_k: these are read, never sampled from."""
 
@@ -95,10 +84,45 @@ class DraftSource:
         the batch's other rows and later requests), once, before any other hook."""
 
 
+class PoolSource(NGramPool, DraftSource):
+    """The paper's n-gram pool as a draft source: the n-grams that start with `last`, those seen
+    after the token before it first. Their labels tell the dynamic shape the two apart: "pool2"
+    (two tokens of context matched: likelier), "pool1" (only `last`)."""
+
+    def remember(self, memory):
+        self.by_key = memory.ngrams  # shared: what other rows and requests pooled
+
+    def propose(self, seq, k):
+        return [Candidate(rest[:k], "pool2", win, prior=0.5) if after else Candidate(rest[:k], "pool1", win, prior=0.3)
+                for rest, after, win in self.ranked(seq.tokens[-1], token_back(seq, 2))]
+
+
+class JacobiGuess(DraftSource):
+    """This project's addition beside the paper's pooled n-grams: the model's own predictions
+    left over from the step before. The tokens after the first rejected guess were predicted
+    from a context wrong in one token: as in Jacobi decoding, a guess for the next step, and
+    often right.
+
+        accepted   last  a0         rejected: a1 (the model said b)   commits a0, b
+        predicted  a1 -> p1, a2 -> p2            Jacobi guess next step: [p1, p2]
+    """
+
+    def __init__(self):
+        self.guess = []
+
+    def propose(self, seq, k):
+        return [Candidate(tuple(self.guess[:k]), "jacobi")] if self.guess else []
+
+    def observe(self, seq, step):
+        tree = step.tree
+        rejected = next(iter(tree.children[step.path[-1] if step.path else 0].values()), None)
+        self.guess = [step.pred[v] for v in tree.first_chain(rejected)] if rejected else []
+
+
 class Memory:
     """What draft sources learn from the model's own output, kept across the requests (and the
     rows of a batch) that pass the same Memory: the n-gram pool's n-grams and token recycling's
-    rankings. Opt-in (lookahead_decode(..., memory=Memory())); without one, every row starts
+    rankings. Opt-in (engine.generate(..., memory=Memory())); without one, every row starts
     empty and forgets when it ends. Output is exactly greedy's either way: memory changes what is
     guessed, never what is accepted. What it does leak is timing: a request runs faster when text
     like it was decoded before with the same Memory, so callers who must not learn about each

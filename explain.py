@@ -1,6 +1,6 @@
 """--explain: what one lookahead step did, in the words of lookahead.py's glossary.
 
-For a step's Verified record it prints the window's levels (and the level the model predicted
+For a step's record (lookahead.StepRecord) it prints the window's levels (and the level the model predicted
 now), the n-grams the window completed for the pool, the trie of candidates with each guess
 marked accepted, rejected (and what the model said instead) or not reached, and what was
 committed. The README's worked step is this printer's output on SmolLM2.
@@ -11,15 +11,15 @@ MAX_NODES = 40  # a trie printed whole up to this many guesses (a dynamic step's
 
 def explain_step(number: int, step, piece) -> str:
     """The text for step `number` (from 1) of one row; piece(token id) -> its text as shown."""
-    tree, shape = step.tree, step.shape
+    tree, w = step.tree, step.columns
     show = lambda ids: " ".join(piece(t) for t in ids)
-    lines = [f"step {number}: last token {piece(tree.tokens[0])}; one forward of {shape.size} tokens: "
-             f"`last`, {plural(len(tree) - 1, 'guess')} in the trie, a window of {step.w} columns x "
+    lines = [f"step {number}: last token {piece(tree.tokens[0])}; one forward of {len(tree) + w * len(step.window)} "
+             f"tokens: `last`, {plural(len(tree) - 1, 'guess')} in the trie, a window of {w} columns x "
              f"{plural(len(step.window), 'level')}"]
     if step.window:
         lines.append("  window: column j's level l+1 is what the model predicted a step ago after its level l")
         lines += [f"    level {level}: {show(tokens)}" for level, tokens in enumerate(step.window)]
-        lines.append(f"    predicted now (the next level): {show(step.pred[len(tree):len(tree) + step.w])}")
+        lines.append(f"    predicted now (the next level): {show(step.pred[len(tree):len(tree) + w])}")
         if step.pooled:
             lines.append("  pooled: the window is full, so each column plus its prediction is an n-gram:")
             lines += [f"    {show(ngram)}" for ngram in step.pooled]

@@ -431,7 +431,7 @@ class CompiledStep:
     Every step takes the step before's roll back as MOVES (from, to) slot pairs (padded with a
     slot copied onto itself): inside the graph, never a launch of its own per layer."""
 
-    MOVES = 16  # accepted guesses a step's roll back moves inside the graph (more: done eagerly, lookahead.pack_inputs)
+    MOVES = 16  # accepted guesses a step's roll back moves inside the graph (more: done eagerly, step_inputs.pack_inputs)
 
     @torch.inference_mode()
     def __init__(self, model: Transformer, sizes, cache_len=None, log=None):

@@ -134,7 +134,7 @@ class DynamicShape:
     def observe(self, rows, steps, T: int, seconds: float):
         for row, step in zip(rows, steps):
             tested = list(labelled(step.tree, {0, *step.path}))  # the guesses the step tested, walked once for both
-            self.acceptance[row].record(step.tree, step.path, step.w, tested)
+            self.acceptance[row].record(step.tree, step.path, step.columns, tested)
             self.ledgers[row].record(row, step, seconds, tested)
         self.costs(len(rows)).record(T, seconds)
 

@@ -24,7 +24,13 @@ import decoding
 from decoding import Sampling, greedy_decode, greedy_decode_batch, rope_switch, sample_decode
 from recycling import TEMPLATE, TokenRecycling
 from explain import explain_step
-from lookahead import Candidate, DraftSource, JacobiGuess, NGramPool, Tree, Verified, lookahead_decode, lookahead_decode_batch, step_inputs
+import engine
+import lookahead
+import step_inputs
+from drafts import DraftSource, JacobiGuess
+from engine import RowStep, generate, generate_batch
+from lookahead import Candidate, NGramPool, Tree
+from step_inputs import row_inputs
 from shape import Acceptance, Shape, StepCosts, choose_shape, labelled
 from model import step_size
 
@@ -73,7 +79,7 @@ def test_lookahead_equals_greedy():
         drafts = None if jacobi_guess else lambda seq: [seq.pool]  # the default: the pool, then the Jacobi guess
         chunk = data.draw(st.sampled_from([1024, 3, 7]))  # greedy's prompt whole, lookahead's in chunks
         with mock.patch.object(decoding, "PREFILL_CHUNK", chunk):
-            got = lookahead_decode(model, prompt, max_new, ngram=N, stop_ids=stop, seed=seed, drafts=drafts,
+            got = generate(model, prompt, max_new, ngram=N, stop_ids=stop, seed=seed, drafts=drafts,
                                    on_step=steps.append, **shape)
         assert got.tokens == expected
         assert sum(got.committed) + 1 == len(got.tokens)
@@ -111,6 +117,61 @@ def test_lookahead_equals_greedy():
     assert seen["prompt in chunks"] and seen["a chunk past the window"], seen
 
 
+def same_steps(reference_steps, engine_steps):
+    """Both implementations' records, step by step: the trie, the window as run, the model's
+    predictions, what was accepted, pooled and committed."""
+    assert len(reference_steps) == len(engine_steps)
+    for i, (a, b) in enumerate(zip(reference_steps, engine_steps)):
+        assert (a.tree.tokens, a.tree.parent) == (b.tree.tokens, b.tree.parent), i
+        assert (a.window, a.pred, a.path, a.pooled, a.committed) == (b.window, b.pred, b.path, b.pooled, b.committed), i
+
+
+def test_the_reference_and_the_engine_take_the_same_steps():
+    """lookahead.py (the paper, read by a learner) and engine.py's fixed shape with the pool as
+    its one source make the same steps, and both give greedy's tokens: random tiny float64
+    models of every family, random W, N, G, prompts and stop ids. The runs must show multi-token
+    steps, full windows and accepted n-grams the window made, or equality would prove little."""
+    seen = Counter()
+    phi3 = dict(FAMILY_OPTIONS["phi3"], rope_scaling={**FAMILY_OPTIONS["phi3"]["rope_scaling"],
+                                                        "original_max_position_embeddings": 200})  # past every run
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 24), N=st.integers(2, 5), W=st.integers(0, 5),
+           G=st.integers(0, 5), max_new=st.integers(1, 40), family=st.sampled_from(list(FAMILY_OPTIONS)), data=st.data())
+    def prop(seed, vocab, N, W, G, max_new, family, data):
+        options = phi3 if family == "phi3" else FAMILY_OPTIONS[family]
+        model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=256, **options)
+        motif = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6))
+        prompt = (motif * 20)[:data.draw(st.integers(1, 30))]
+        stop = data.draw(st.sampled_from([(), (0,), (vocab - 1, 3)]))
+        a, b = [], []
+        ours = lookahead.lookahead_decode(model, prompt, max_new, window=W, ngram=N, candidates=G, stop_ids=stop,
+                                          on_step=a.append)
+        fast = generate(model, prompt, max_new, window=W, ngram=N, candidates=G, stop_ids=stop,
+                        drafts=lambda seq: [seq.pool], on_step=b.append)
+        assert ours.tokens == fast.tokens == greedy_decode(model, prompt, max_new, stop).tokens
+        same_steps(a, b)
+        seen["runs"] += 1
+        seen["multi"] += max(ours.committed, default=1) > 1
+        seen["pooled"] += any(s.pooled for s in a)
+        seen["window's n-gram accepted"] += any(s.path and s.tree.candidates[s.winner].from_window for s in a)
+        seen[family] += 1
+
+    prop()
+    assert seen["multi"] > seen["runs"] // 4 and seen["pooled"] and seen["window's n-gram accepted"], seen
+    assert all(seen[family] for family in FAMILY_OPTIONS), seen
+
+
+def test_the_reference_refuses_what_it_leaves_to_the_engine():
+    with pytest.raises(ValueError, match="need ngram >= 2"):
+        lookahead.lookahead_decode(random_model(), [1, 2], 5, window=2, ngram=1, candidates=2)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        lookahead.lookahead_decode(random_model(), [], 5, window=2, ngram=3, candidates=2)
+    with pytest.raises(ValueError, match="longrope switch: engine.generate runs it"):
+        lookahead.lookahead_decode(random_model(**FAMILY_OPTIONS["phi3"]), [1, 2] * 10, 20, window=2, ngram=3,
+                                   candidates=2)
+
+
 def trajectory_mask(tree, W, L):
     """Brute force from the definition: the step's tokens form a tree rooted at `last`; each
     token's context is its chain of ancestors, and its position is its depth."""
@@ -141,11 +202,13 @@ def test_step_mask_is_the_trajectory_tree(W, L, chains):
     window = [[10 + level * W + j for j in range(W)] for level in range(L)]
     T = len(tree) + W * L
     size = step_size(T) * 2  # padded further than needed: the padding must stay out of every real row
-    seq, offsets, block, rows = step_inputs(tree, window, W, size)
+    reference, reference_positions = lookahead.step_mask(tree, W, L)  # lookahead.py's, built plainly
+    seq, offsets, block, rows = row_inputs(tree, window, W, size)
     seq, offsets = torch.tensor(seq), torch.tensor(offsets)
     block = torch.frombuffer(block, dtype=torch.bool).view(size, size)
     want_mask, want_depth = trajectory_mask(tree, W, L)
-    assert torch.equal(block[:T, :T], want_mask)
+    assert torch.equal(block[:T, :T], want_mask) and torch.equal(reference, want_mask)
+    assert reference_positions == want_depth.tolist()
     assert not block[:T, T:].any() and not block[T:, :T].any()  # padding and the real rows never meet
     assert torch.equal(block[T:, T:], torch.eye(size - T, dtype=torch.bool))
     assert torch.equal(offsets[:T], want_depth)  # positions after `last`'s
@@ -210,7 +273,7 @@ def test_the_one_guess_is_the_ngram_seen_after_the_same_token():
     for seed in range(4):
         prompt = [int(t) for t in torch.randint(0, 8, (40,), generator=torch.Generator().manual_seed(seed))]
         steps = []
-        got = lookahead_decode(model, prompt, N, window=1, ngram=N, candidates=1, output_ngrams=False,
+        got = generate(model, prompt, N, window=1, ngram=N, candidates=1, output_ngrams=False,
                                on_step=steps.append)
         assert got.tokens == greedy_decode(model, prompt, N).tokens
         text, at = prompt + got.tokens, len(prompt)  # text[at] is the step's `last`
@@ -260,7 +323,7 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
     # the trie's rank anew, accepted or not; the window's only tokens the table does not know.
     tree = Tree(5, [Candidate((7, 1), "recycling")])
     seq.tokens += [9]  # what the step committed
-    tr.observe(seq, Verified(tree, 2, [5, 7, 1, 6, 2], [9] * 5, [[8, 9], [3, 4], [2, 1], [0, 3], [6, 6]], [], [9], [0]))
+    tr.observe(seq, RowStep(tree, [[6, 2]], [9] * 5, [], [9], [], [[8, 9], [3, 4], [2, 1], [0, 3], [6, 6]], [0]))
     assert tr.next == {5: [8, 9], 6: [5, 9], 7: [3, 4], 1: [2, 1], 2: [6, 6]}
 
 
@@ -276,7 +339,7 @@ def test_recycling_reads_the_ranking_after_the_last_two_tokens_where_it_has_one(
     # then (parent, node). Here it committed 3 (its guess) and 9.
     tree = Tree(2, [Candidate((3, 8), "recycling")])
     seq.tokens += [3, 9]
-    tr.observe(seq, Verified(tree, 0, [2, 3, 8], [3, 9, 0], [[5, 6], [7, 7], [8, 8]], [1], [3, 9], [0, 1]))
+    tr.observe(seq, RowStep(tree, [], [3, 9, 0], [1], [3, 9], [], [[5, 6], [7, 7], [8, 8]], [0, 1]))
     assert (tr.next2[1, 2], tr.next2[2, 3], tr.next2[3, 8]) == ([5, 6], [7, 7], [8, 8])
 
 
@@ -289,7 +352,7 @@ def test_token_recycling_is_exact_in_both_shapes(seed, vocab, N, max_new, family
     _, shape = draw_shape(data, 6)
     drafts = data.draw(st.sampled_from([lambda seq: [seq.pool, TokenRecycling(), JacobiGuess()],
                                         lambda seq: [TokenRecycling(template=[p for p in TEMPLATE if max(p) < 2])]]))
-    got = lookahead_decode(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
+    got = generate(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
     assert got.tokens == greedy_decode(model, prompt, max_new).tokens
 
 
@@ -314,7 +377,7 @@ def test_recycling_offers_what_a_step_can_hold():
             sources.update(c.source for c in step.tree.candidates)
             nodes.append(len({c.tokens[:i] for c in step.tree.candidates if c.source == "recycling"
                               for i in range(1, len(c.tokens) + 1)}))
-        got = lookahead_decode(model, prompt, 12, costs=costs, drafts=lambda seq: [seq.pool, Watched()], on_step=on_step)
+        got = generate(model, prompt, 12, costs=costs, drafts=lambda seq: [seq.pool, Watched()], on_step=on_step)
         assert got.tokens == greedy_decode(model, prompt, 12).tokens
         return got
 
@@ -350,7 +413,7 @@ def test_a_source_may_guess_past_the_ngram_size():
     model = random_model(seed=5, vocab_size=16)
     prompt, N = [1, 2, 3], 2
     truth = greedy_decode(model, prompt, 30).tokens
-    got = lookahead_decode(model, prompt, 30, ngram=N, costs=StepCosts.flat(), drafts=lambda seq: [Oracle(truth, 16)])
+    got = generate(model, prompt, 30, ngram=N, costs=StepCosts.flat(), drafts=lambda seq: [Oracle(truth, 16)])
     assert got.tokens == truth and max(got.committed) > N
 
 
@@ -374,7 +437,7 @@ def test_a_new_draft_source_is_exact_in_both_shapes(fixed):
         drafts = lambda seq: ([Oracle(truth, vocab, noise, seed), seq.pool] if first else
                               [seq.pool, Oracle(truth, vocab, noise, seed)]) + [JacobiGuess()]
         steps = []
-        got = lookahead_decode(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, on_step=steps.append, **shape)
+        got = generate(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, on_step=steps.append, **shape)
         assert got.tokens == truth
         for s in steps:
             if "oracle" in [c.source for c in s.tree.candidates]:
@@ -418,7 +481,7 @@ def test_any_source_anywhere_is_exact_and_observes_every_committed_token_once(se
         sources = [seq.pool, JacobiGuess()]
         return sources[:place] + list(made[-1]) + sources[place:]
 
-    got = lookahead_decode_batch(model, prompts, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
+    got = generate_batch(model, prompts, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
     for prompt, gen, (chaotic, _) in zip(prompts, got, made):
         assert gen.tokens == greedy_decode(model, prompt, max_new).tokens
         assert chaotic.seen == gen.tokens  # every committed token, the first included, exactly once
@@ -436,7 +499,7 @@ def test_the_draft_model_example_is_exact_in_both_shapes_alone_and_batched(seed,
     prompts = [data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=16)) for _ in range(1 + batched)]
     _, shape = draw_shape(data, 4)
     drafts = lambda seq: [seq.pool, DraftModel(draft, guesses=data.draw(st.integers(1, 6))), JacobiGuess()]
-    got = lookahead_decode_batch(model, prompts, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
+    got = generate_batch(model, prompts, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
     for prompt, gen in zip(prompts, got):
         assert gen.tokens == greedy_decode(model, prompt, max_new).tokens
 
@@ -449,7 +512,7 @@ def test_a_draft_model_that_is_the_model_itself_is_always_right_in_every_row(sha
     from examples.draft_model import DraftModel
     model, draft = random_model(seed=3, vocab_size=32), random_model(seed=3, vocab_size=32)
     prompts = [[int(t) for t in torch.randint(0, 32, (n,), generator=torch.Generator().manual_seed(n))] for n in (9, 14)]
-    got = lookahead_decode_batch(model, prompts, 40, drafts=lambda seq: [DraftModel(draft, guesses=4)], **shape)
+    got = generate_batch(model, prompts, 40, drafts=lambda seq: [DraftModel(draft, guesses=4)], **shape)
     for prompt, gen in zip(prompts, got):
         assert gen.tokens == greedy_decode(model, prompt, 40).tokens
         assert gen.committed[:-1] == [5] * (len(gen.committed) - 1), gen.committed  # 39 after the first: 8 steps
@@ -484,8 +547,8 @@ def test_a_source_that_is_never_right_costs_the_others_almost_nothing(shape, fir
         truth = greedy_decode(model, prompt, 64).tokens
         useless = lambda seq: ([NeverRight(truth, 12)] if first else []) + [seq.pool, JacobiGuess()] + (
             [] if first else [NeverRight(truth, 12)])
-        a = lookahead_decode(model, prompt, 64, **shape)
-        b = lookahead_decode(model, prompt, 64, drafts=useless, **shape)
+        a = generate(model, prompt, 64, **shape)
+        b = generate(model, prompt, 64, drafts=useless, **shape)
         assert a.tokens == b.tokens == truth
         plain, with_it = plain + a.steps, with_it + b.steps
     assert with_it <= 1.03 * plain, (plain, with_it)
@@ -500,7 +563,7 @@ def test_the_dynamic_shape_stops_asking_a_dear_source_that_does_not_pay_and_keep
     truth = greedy_decode(model, prompt, 120).tokens
     sources = []
     drafts = lambda seq: sources.append(NeverRight(truth, 32, sleep=0.003)) or [seq.pool, JacobiGuess(), sources[-1]]
-    got = lookahead_decode(model, prompt, 120, drafts=drafts, costs=StepCosts.flat(16))
+    got = generate(model, prompt, 120, drafts=drafts, costs=StepCosts.flat(16))
     assert got.tokens == truth and "NeverRight" in got.source_seconds
     assert sources[0].asked <= got.steps / 2, (sources[0].asked, got.steps)  # 4 asked, 8 not, 4, 16 not, ...
 
@@ -511,7 +574,7 @@ def test_the_dynamic_shape_stops_asking_a_dear_source_that_does_not_pay_and_keep
             return super().propose(seq, k)
     oracle = []
     drafts = lambda seq: oracle.append(SlowOracle(truth, 32)) or [oracle[-1]]  # alone: its tokens are its own
-    got = lookahead_decode(model, prompt, 120, drafts=drafts, costs=StepCosts.flat(16))
+    got = generate(model, prompt, 120, drafts=drafts, costs=StepCosts.flat(16))
     assert got.tokens == truth and oracle[0].asked == got.steps
 
 
@@ -521,8 +584,8 @@ def test_a_source_that_is_always_right_commits_n_tokens_a_step(shape):
     model = random_model(seed=4, vocab_size=32)
     prompt = [int(t) for t in torch.randint(0, 32, (16,), generator=torch.Generator().manual_seed(4))]
     truth = greedy_decode(model, prompt, 60).tokens
-    plain = lookahead_decode(model, prompt, 60, **shape)
-    oracle = lookahead_decode(model, prompt, 60, drafts=lambda seq: [Oracle(truth, 32)], **shape)
+    plain = generate(model, prompt, 60, **shape)
+    oracle = generate(model, prompt, 60, drafts=lambda seq: [Oracle(truth, 32)], **shape)
     assert oracle.tokens == plain.tokens == truth
     # 59 tokens after the prefill's, at most 5 a step: 12 steps; the dynamic shape first learns
     # that the unknown source is right (prior 0.3), so a few more.
@@ -541,7 +604,7 @@ def test_a_memory_is_shared_by_the_requests_and_rows_that_pass_it_only_and_chang
     truth = greedy_decode(model, prompt, 48).tokens
     seqs = []
     drafts = lambda seq: seqs.append(seq) or [seq.pool, TokenRecycling(), JacobiGuess()]
-    run = lambda **kw: lookahead_decode(model, prompt, 48, drafts=drafts, costs=StepCosts.flat(), **kw)
+    run = lambda **kw: generate(model, prompt, 48, drafts=drafts, costs=StepCosts.flat(), **kw)
     memory = Memory()
     first, second = run(memory=memory), run(memory=memory)
     kept = (len(memory.ngrams), len(memory.rankings))
@@ -553,7 +616,7 @@ def test_a_memory_is_shared_by_the_requests_and_rows_that_pass_it_only_and_chang
     # A batch's rows share it; a small one stays within its bound, and nothing changes the output.
     small, seqs[:] = Memory(keys=5), []
     prompts = [prompt, prompt[::-1]]
-    gens = lookahead_decode_batch(model, prompts, 48, drafts=drafts, costs=StepCosts.flat(), memory=small)
+    gens = generate_batch(model, prompts, 48, drafts=drafts, costs=StepCosts.flat(), memory=small)
     assert [g.tokens for g in gens] == [g.tokens for g in greedy_decode_batch(model, prompts, 48)]
     assert seqs[0].pool.by_key is seqs[1].pool.by_key is small.ngrams and seqs[0].sources[1].next is small.rankings
     assert len(small.ngrams) == len(small.rankings) == 5
@@ -566,22 +629,21 @@ def test_the_pool_holds_every_ngram_of_the_text_as_if_pooled_in_one_pass(prompt,
     # A commit pools the n-grams ending in its tokens from the text's tail alone (not a join of
     # prompt and output each step): the pool must be exactly one pass over the whole text, in
     # order (the same recency, the same evictions, the same tokens seen before each).
-    from lookahead import Sequence
-    from shape import FixedShape
-    seq = Sequence(prompt, 100, FixedShape(1, N, 1), Sampling(0.0, 0, 1.0), 0, set(), torch.device("cpu"), True, None, None)
+    pool, tokens = NGramPool(8), []
+    pool.add_text(prompt, len(prompt), N)
     for chunk in chunks:
-        seq.commit(chunk)
-    text, whole = prompt + seq.tokens, NGramPool(seq.pool.cap)
+        lookahead.commit(prompt, tokens, chunk, 100, set(), pool, N)
+    text, whole = prompt + tokens, NGramPool(8)
     for i in range(len(text) - N + 1):
         whole.add(text[i:i + N], text[i - 1] if i else None)
     in_order = lambda pool: {key: list(entries.items()) for key, entries in pool.by_key.items()}
-    assert in_order(seq.pool) == in_order(whole)  # the same n-grams, least recent first
+    assert in_order(pool) == in_order(whole)  # the same n-grams, least recent first
 
 
 def test_rollback_leaves_the_cache_of_a_greedy_run():
     model = random_model(seed=7, vocab_size=8)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    got = lookahead_decode(model, prompt, 40, window=4, ngram=4, candidates=4)
+    got = generate(model, prompt, 40, window=4, ngram=4, candidates=4)
     assert max(got.committed) > 1  # the rollback kept candidate K/V, not only window-free steps
     committed = len(prompt) + len(got.tokens) - 1  # the last token's K/V is never needed
     ours = model.cache.kv()[..., :committed, :].clone()  # every layer's K and V
@@ -644,7 +706,6 @@ def test_a_greedy_step_syncs_once_and_a_lookahead_step_once_after_its_one_copy()
     # the device. A greedy step reads its tokens (one sync); a lookahead step reads its
     # predictions, and sends its inputs in one packed copy (the step before's roll back among
     # them), which the CPU skips (the next test sends them to a device).
-    import lookahead
     model = random_model(seed=7, vocab_size=8)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     greedy = []
@@ -658,8 +719,8 @@ def test_a_greedy_step_syncs_once_and_a_lookahead_step_once_after_its_one_copy()
     assert (s2 - s1) / (n2 - n1) == 1
     for shape in ({}, dict(window=4, ngram=4, candidates=4)):
         counter = HostWork()
-        with mock.patch.object(lookahead, "lookahead_step", counter.wrap(model, lookahead.lookahead_step)):
-            got = lookahead_decode(model, prompt, 40, **shape)
+        with mock.patch.object(engine, "batch_step", counter.wrap(model, engine.batch_step)):
+            got = generate(model, prompt, 40, **shape)
         del model.step
         assert max(got.committed) > 2 and counter.syncs == [1] * got.steps, counter.syncs
 
@@ -668,16 +729,15 @@ def test_a_steps_inputs_reach_a_device_in_one_copy_as_the_cpus_views():
     # Two rows, one with a roll back to send: on a device (meta: shapes and dtypes, no data) the
     # inputs are one copy, viewed as the same tensors the CPU reads straight from its buffer. A
     # step of a layout seen before makes no tensor at all: the CPU runs no op, a device one copy.
-    import lookahead
-    from lookahead import pack_inputs
+    from step_inputs import pack_inputs
     parts = [([5, 6, 7, 0], [0, 1, 2, 0], bytes(range(16)), [0, 1, 2]), ([8, 9, 0, 0], [0, 1, 0, 0], bytes(16), [0, 1])]
     inputs, again = {}, {}
     for device in ("cpu", "meta"):
-        model, buffer = SimpleNamespace(device=torch.device(device), compiled=None), lookahead.StepBuffer(torch.device(device))
+        model, buffer = SimpleNamespace(device=torch.device(device), compiled=None), step_inputs.StepBuffer(torch.device(device))
         buffer.host = bytearray(b"\xff" * 4096)  # what an earlier step left: every place read must be written
         for C, out in ((10, inputs), (30, again)):
             for mask, (_, _, block, _) in zip(buffer.masks(2, 4), parts):
-                mask[:] = block  # where step_inputs writes it
+                mask[:] = block  # where row_inputs writes it
             rows = [SimpleNamespace(C=C, moves=[(C + 2, C + 1)]), SimpleNamespace(C=2 * C, moves=[])]
             counter = HostWork()
             with counter, counter.count_ops():
@@ -703,13 +763,12 @@ def test_a_steps_work_outside_the_forward_does_not_grow_with_layers_nor_inside_i
     # was 4 a layer). Inside, what a layer adds is its own work: the step's mask is built once
     # a forward in the dtype the kernel reads (no mask op a layer), grouped heads read K/V in
     # place (no repeat of K or V a layer), and the rows' index into the cache is made once.
-    import lookahead
     outside, per_layer = [], []
     for layers in (1, 3):
         model = random_model(seed=8, vocab_size=8, n_layers=layers, n_heads=4, n_kv_heads=2)  # grouped: g = 2
         counter, moved = HostWork(), []
-        with mock.patch.object(lookahead, "lookahead_step", counter.wrap(model, lookahead.lookahead_step)):
-            lookahead_decode(model, [1, 2, 3, 1, 2, 3, 1, 2], 40, window=4, ngram=4, candidates=4,
+        with mock.patch.object(engine, "batch_step", counter.wrap(model, engine.batch_step)):
+            generate(model, [1, 2, 3, 1, 2, 3, 1, 2], 40, window=4, ngram=4, candidates=4,
                              on_step=lambda s: moved.append(s.slots != list(range(s.slots[0], s.slots[0] + len(s.slots)))))
         assert any(moved[:-1])  # roll backs that move K/V, done by the next step
         outside.append([sum(c.values()) for c in counter.outside])
@@ -725,12 +784,11 @@ def test_a_steps_work_outside_the_forward_does_not_grow_with_layers_nor_inside_i
 def test_a_models_step_buffer_outlives_the_request():
     # The model keeps its StepBuffer: the same request again finds every layout and slice its
     # steps read already made, so outside the forward each step runs only the predictions' 3 ops.
-    import lookahead
     model, outside = random_model(seed=8, vocab_size=8), []
     for _ in range(2):
         counter = HostWork()
-        with mock.patch.object(lookahead, "lookahead_step", counter.wrap(model, lookahead.lookahead_step)):
-            lookahead_decode(model, [1, 2, 3, 1, 2, 3, 1, 2], 40, window=4, ngram=4, candidates=4)
+        with mock.patch.object(engine, "batch_step", counter.wrap(model, engine.batch_step)):
+            generate(model, [1, 2, 3, 1, 2, 3, 1, 2], 40, window=4, ngram=4, candidates=4)
         del model.step
         outside.append([sum(c.values()) for c in counter.outside])
     assert max(outside[0]) > 3 and set(outside[1]) == {3}, outside
@@ -742,14 +800,14 @@ def test_stop_inside_an_accepted_ngram():
     for seed in range(20):
         model = random_model(seed=seed, vocab_size=16, n_layers=1)
         prompt = [1, 2, 3, 4] + greedy_decode(model, [1, 2, 3, 4], 20).tokens
-        free = lookahead_decode(model, prompt, 30, window=3, ngram=5, candidates=3)
+        free = generate(model, prompt, 30, window=3, ngram=5, candidates=3)
         end = 1
         for n in free.committed:
             inside = [i for i in range(end, end + n - 1) if free.tokens[i] not in free.tokens[:i]]
             if n >= 3 and inside:
                 stop = free.tokens[inside[0]]
                 steps = []
-                got = lookahead_decode(model, prompt, 30, window=3, ngram=5, candidates=3, stop_ids=(stop,),
+                got = generate(model, prompt, 30, window=3, ngram=5, candidates=3, stop_ids=(stop,),
                                        on_step=steps.append)
                 assert got.tokens == greedy_decode(model, prompt, 30, stop_ids=(stop,)).tokens
                 assert [t for s in steps for t in s.committed] == got.tokens[1:]  # --explain shows no more
@@ -764,8 +822,8 @@ def test_stop_inside_an_accepted_ngram():
 def test_reproducible_with_a_seed(shape):
     # Measured costs make the dynamic shapes depend on timing; a given cost model does not.
     model = random_model(seed=3, vocab_size=12)
-    a = lookahead_decode(model, [1, 2, 3, 4], 30, seed=5, **shape)
-    b = lookahead_decode(model, [1, 2, 3, 4], 30, seed=5, **shape)
+    a = generate(model, [1, 2, 3, 4], 30, seed=5, **shape)
+    b = generate(model, [1, 2, 3, 4], 30, seed=5, **shape)
     assert a.tokens == b.tokens and a.committed == b.committed and a.shapes == b.shapes
 
 
@@ -780,14 +838,14 @@ def test_bad_requests(kwargs, message):
     args = dict(prompt=[1, 2], max_new_tokens=5, window=3, ngram=3, candidates=3)
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
-        lookahead_decode(model, args.pop("prompt"), args.pop("max_new_tokens"), **args)
+        generate(model, args.pop("prompt"), args.pop("max_new_tokens"), **args)
 
 
 def test_generation_stops_at_the_context():
     model = random_model(max_seq_len=40)
     prompt = list(range(30))
     assert len(greedy_decode(model, prompt, 100).tokens) == 10
-    assert lookahead_decode(model, prompt, 100).tokens == greedy_decode(model, prompt, 100).tokens
+    assert generate(model, prompt, 100).tokens == greedy_decode(model, prompt, 100).tokens
 
 
 # --- the dynamic shape -----------------------------------------------------------------------
@@ -880,8 +938,8 @@ def test_the_dynamic_shape_goes_wide_where_steps_are_free_and_narrow_where_they_
     model = random_model(seed=2, vocab_size=16)
     prompt = [1, 2, 3, 4, 5] * 4
     expected = greedy_decode(model, prompt, 40).tokens
-    free = lookahead_decode(model, prompt, 40, costs=StepCosts.flat())
-    dear = lookahead_decode(model, prompt, 40, costs=StepCosts({1: 1.0, 2: 4.0, 4: 8.0}))
+    free = generate(model, prompt, 40, costs=StepCosts.flat())
+    dear = generate(model, prompt, 40, costs=StepCosts({1: 1.0, 2: 4.0, 4: 8.0}))
     assert free.tokens == dear.tokens == expected
     assert max(s.size for s in free.shapes) == 128 and max(s.window for s in free.shapes) == 16
     assert all(s.size == 1 for s in dear.shapes) and dear.steps == len(expected) - 1
@@ -925,9 +983,23 @@ def test_what_is_learned_of_a_source_does_not_depend_on_the_order_of_the_sources
 @pytest.mark.parametrize("W,N,G", [(None, None, None), (7, 5, 7)])  # the dynamic default first
 def test_smollm2_lookahead_matches_transformers(smollm2, reference, W, N, G):
     for case in reference:
-        gen = lookahead_decode(smollm2, case["prompt_ids"], len(case["greedy_ids"]), window=W, ngram=N, candidates=G,
+        gen = generate(smollm2, case["prompt_ids"], len(case["greedy_ids"]), window=W, ngram=N, candidates=G,
                                stop_ids=(2,))
         assert_matches_reference(gen.tokens, case)
+
+
+def test_smollm2_the_reference_and_the_engine_take_the_same_steps(smollm2, reference):
+    # lookahead.py and the engine's fixed shape (the pool alone) on a real model in float32, 7,5,7.
+    for case in reference[:3]:
+        a, b = [], []
+        n = len(case["greedy_ids"])
+        ours = lookahead.lookahead_decode(smollm2, case["prompt_ids"], n, window=7, ngram=5, candidates=7,
+                                          stop_ids=(2,), on_step=a.append)
+        fast = generate(smollm2, case["prompt_ids"], n, window=7, ngram=5, candidates=7, stop_ids=(2,),
+                        drafts=lambda seq: [seq.pool], on_step=b.append)
+        assert_matches_reference(ours.tokens, case)
+        assert ours.tokens == fast.tokens
+        same_steps(a, b)
 
 
 def test_the_two_example_sources_match_transformers_on_smollm2(smollm2, smollm2_path, reference):
@@ -940,7 +1012,7 @@ def test_the_two_example_sources_match_transformers_on_smollm2(smollm2, smollm2_
     draft = Transformer.from_pretrained(smollm2_path, device="cpu")
     drafts = lambda seq: [seq.pool, PromptLookup(), DraftModel(draft, guesses=4), JacobiGuess()]
     for case in reference:
-        gen = lookahead_decode(smollm2, case["prompt_ids"], len(case["greedy_ids"]), window=0, ngram=5, candidates=1,
+        gen = generate(smollm2, case["prompt_ids"], len(case["greedy_ids"]), window=0, ngram=5, candidates=1,
                                stop_ids=(2,), drafts=drafts)
         assert_matches_reference(gen.tokens, case)
         assert gen.tokens_per_step > 2.5, (case["name"], gen.committed)
@@ -951,7 +1023,7 @@ def test_gemma3_lookahead_matches_transformers(gemma3, gemma3_reference, W, N, G
     # The fixed shape on the two prompts where the window and the pool matter most, for time.
     cases = gemma3_reference if W is None else [c for c in gemma3_reference if c["name"] in ("timekeeping_question", "times_table")]
     for case in cases:
-        gen = lookahead_decode(gemma3, case["prompt_ids"], len(case["greedy_ids"]), window=W, ngram=N, candidates=G,
+        gen = generate(gemma3, case["prompt_ids"], len(case["greedy_ids"]), window=W, ngram=N, candidates=G,
                                stop_ids=(1, 106))
         assert_matches_reference(gen.tokens, case)
 
@@ -998,7 +1070,7 @@ def test_the_jacobi_guess_is_what_the_model_predicted_after_the_first_rejected_g
     for seed in range(6):
         prompt = [int(t) for t in torch.randint(0, 32, (12,), generator=torch.Generator().manual_seed(seed))]
         steps = []
-        got = lookahead_decode(model, prompt, max_new, window=0, ngram=N, candidates=1, on_step=steps.append)
+        got = generate(model, prompt, max_new, window=0, ngram=N, candidates=1, on_step=steps.append)
         assert got.tokens == greedy_decode(model, prompt, max_new).tokens
         text, at, leftover = prompt + got.tokens, len(prompt), []  # text[at] is the step's `last`
         for s in steps:
@@ -1030,7 +1102,7 @@ def draw(model, prompt, sampling, cfg, n):
     samples, steps, multi = [], 0, 0
     shape = dict(costs=StepCosts.flat()) if cfg == "dynamic" else dict(zip(("window", "ngram", "candidates"), cfg))
     for seed in range(n):
-        gen = lookahead_decode(model, prompt, 4, seed=seed, temperature=sampling.temperature,
+        gen = generate(model, prompt, 4, seed=seed, temperature=sampling.temperature,
                                top_p=sampling.top_p, **shape)
         samples.append(tuple(gen.tokens))
         multi += max(gen.committed, default=1) > 1
@@ -1048,7 +1120,6 @@ def test_lookahead_sampling_keeps_the_distribution(cfg):
 
 
 def test_a_biased_verifier_fails_the_distribution_test(monkeypatch):
-    import lookahead
 
     def accept_first_draft(tree, probs, rng, gen):
         if not tree.children[0]:
@@ -1056,7 +1127,7 @@ def test_a_biased_verifier_fails_the_distribution_test(monkeypatch):
         first = next(iter(tree.children[0].values()))
         return [first], torch.multinomial(probs[first], 1, generator=gen).item()
 
-    monkeypatch.setattr(lookahead, "verify_sampled", accept_first_draft)
+    monkeypatch.setattr(engine, "verify_sampled", accept_first_draft)
     model, prompt, sampling = sampling_case()
     samples, _ = draw(model, prompt, sampling, (3, 3, 3), 1500)
     stat, critical = chi_square_excess(samples, exact_joint(model, prompt, 4, sampling))
@@ -1079,14 +1150,14 @@ def test_temperature_zero_and_top_k_one_are_greedy(seed, W, N, G, greedy_by):
     prompt = [1, 2, 3] * 4
     options = dict(temperature=0.0) if greedy_by == "temperature" else dict(temperature=1.3, top_k=1)
     expected = greedy_decode(model, prompt, 30).tokens
-    assert lookahead_decode(model, prompt, 30, window=W, ngram=N, candidates=G, seed=seed, **options).tokens == expected
+    assert generate(model, prompt, 30, window=W, ngram=N, candidates=G, seed=seed, **options).tokens == expected
     assert sample_decode(model, prompt, 30, seed=seed, **options).tokens == expected
 
 
 def test_sampling_is_reproducible_with_a_seed():
     model, prompt, sampling = sampling_case()
-    a = lookahead_decode(model, prompt, 20, window=3, ngram=3, candidates=3, seed=3, temperature=1.0)
-    b = lookahead_decode(model, prompt, 20, window=3, ngram=3, candidates=3, seed=3, temperature=1.0)
+    a = generate(model, prompt, 20, window=3, ngram=3, candidates=3, seed=3, temperature=1.0)
+    b = generate(model, prompt, 20, window=3, ngram=3, candidates=3, seed=3, temperature=1.0)
     assert a.tokens == b.tokens
     assert sample_decode(model, prompt, 20, seed=3).tokens == sample_decode(model, prompt, 20, seed=3).tokens
 
@@ -1098,7 +1169,7 @@ def test_sampling_is_reproducible_with_a_seed():
 def test_bad_sampling_options(options, message):
     model = random_model()
     with pytest.raises(ValueError, match=message):
-        lookahead_decode(model, [1, 2], 5, **options)
+        generate(model, [1, 2], 5, **options)
     with pytest.raises(ValueError, match=message):
         sample_decode(model, [1, 2], 5, **{"temperature": 1.0, **options})
 
@@ -1120,7 +1191,7 @@ def test_every_row_of_a_batch_is_its_own_greedy_decoding(seed, vocab, N, max_new
     _, shape = draw_shape(data, 6)
     expected = [greedy_decode(model, p, max_new, stop).tokens for p in prompts]
     assert [g.tokens for g in greedy_decode_batch(model, prompts, max_new, stop)] == expected
-    got = lookahead_decode_batch(model, prompts, max_new, ngram=N, stop_ids=stop, seed=seed, **shape)
+    got = generate_batch(model, prompts, max_new, ngram=N, stop_ids=stop, seed=seed, **shape)
     assert [g.tokens for g in got] == expected
     for g in got:
         assert sum(g.committed) + 1 == len(g.tokens) and len(g.shapes) == g.steps
@@ -1142,7 +1213,7 @@ def test_a_batch_runs_one_forward_per_step_and_drops_finished_rows(monkeypatch):
     monkeypatch.setattr(type(model), "forward", counting)
     short = greedy_decode(model, prompts[1], 3).tokens
     batch_rows.clear()
-    gens = lookahead_decode_batch(model, prompts, 30, window=2, candidates=2, stop_ids=(short[-1],))
+    gens = generate_batch(model, prompts, 30, window=2, candidates=2, stop_ids=(short[-1],))
     assert len(gens[1].tokens) <= 3
     steps = batch_rows[len(prompts):]  # after one prefill per prompt
     assert len(steps) == max(g.steps for g in gens)
@@ -1150,20 +1221,20 @@ def test_a_batch_runs_one_forward_per_step_and_drops_finished_rows(monkeypatch):
 
 
 def test_rows_never_see_each_other():
-    # Sampled with a fixed shape, row b draws exactly what lookahead_decode draws alone with seed
+    # Sampled with a fixed shape, row b draws exactly what generate draws alone with seed
     # + b, whatever the other rows hold; a different neighbour changes nothing.
     model, prompt, _ = sampling_case()
     other = [3, 1, 4, 1, 5, 7, 2, 6]
     options = dict(window=2, ngram=3, candidates=2, seed=7, temperature=0.9)
-    alone = [lookahead_decode(model, p, 20, **{**options, "seed": 7 + b}).tokens for b, p in enumerate([prompt, other])]
-    together = lookahead_decode_batch(model, [prompt, other], 20, **options)
+    alone = [generate(model, p, 20, **{**options, "seed": 7 + b}).tokens for b, p in enumerate([prompt, other])]
+    together = generate_batch(model, [prompt, other], 20, **options)
     assert [g.tokens for g in together] == alone
-    neighbour = lookahead_decode_batch(model, [prompt, [7, 7, 7]], 20, **options)
+    neighbour = generate_batch(model, [prompt, [7, 7, 7]], 20, **options)
     assert neighbour[0].tokens == alone[0]
     # Greedy with the dynamic shape: the neighbour changes the step's size, never the tokens.
     want = greedy_decode(model, prompt, 30).tokens
     for second in ([5], other, prompt[::-1] * 3):
-        assert lookahead_decode_batch(model, [prompt, second], 30)[0].tokens == want
+        assert generate_batch(model, [prompt, second], 30)[0].tokens == want
 
 
 def test_batched_sampling_keeps_each_rows_distribution():
@@ -1172,7 +1243,7 @@ def test_batched_sampling_keeps_each_rows_distribution():
     dists = [exact_joint(model, p, 4, sampling) for p in (prompt, second)]
     samples = [[], []]
     for seed in range(0, 3000, 2):  # row b uses seed + b: every draw has seeds of its own
-        gens = lookahead_decode_batch(model, [prompt, second], 4, seed=seed, temperature=sampling.temperature,
+        gens = generate_batch(model, [prompt, second], 4, seed=seed, temperature=sampling.temperature,
                                       top_p=sampling.top_p, costs=StepCosts.flat())
         for b, g in enumerate(gens):
             samples[b].append(tuple(g.tokens))
@@ -1188,7 +1259,7 @@ def test_batched_sampling_keeps_each_rows_distribution():
 def test_bad_batches_fail_before_any_work(prompts, message, monkeypatch):
     model = random_model()
     monkeypatch.setattr(type(model), "forward", lambda *a, **k: pytest.fail("a forward ran"))
-    for decode in (lookahead_decode_batch, greedy_decode_batch):
+    for decode in (generate_batch, greedy_decode_batch):
         with pytest.raises(ValueError, match=message):
             decode(model, prompts, 5)
 
@@ -1216,7 +1287,7 @@ def test_every_stop_id_stops(tiny_checkpoint):
         assert set(stop_ids) <= set(tok.stop_ids)
         expected = free[:firsts[k][0] + 1]
         assert greedy_decode(model, prompt, 40, tok.stop_ids).tokens == expected
-        assert lookahead_decode(model, prompt, 40, window=3, ngram=3, candidates=3, stop_ids=tok.stop_ids).tokens == expected
+        assert generate(model, prompt, 40, window=3, ngram=3, candidates=3, stop_ids=tok.stop_ids).tokens == expected
 
 
 # --- the command line -------------------------------------------------------------------------
@@ -1263,10 +1334,9 @@ def test_explain_names_each_part_of_a_step():
     # their first guess, the first guess accepted, the next one rejected.
     tree = Tree(5, [Candidate((6, 7), "pool2"), Candidate((6, 8), "jacobi"), Candidate((9,), "pool1")])
     pred = [6, 3, 0, 0, 0, 11, 12]  # after last: 6 (accepted); after 6: 3 (7 and 8 rejected); window's next level 11 12
-    step = Verified(tree, 2, [], pred, None, [1], [6, 3], [0, 1], Shape(2, 2, 4, 16), [[1, 2], [3, 4]],
-                    [[1, 3, 11], [2, 4, 12]])
+    step = RowStep(tree, [[1, 2], [3, 4]], pred, [1], [6, 3], [[1, 3, 11], [2, 4, 12]], None, [0, 1], Shape(2, 2, 4, 16))
     text = explain_step(3, step, str)
-    assert text.splitlines()[0].startswith("step 3: last token 5; one forward of 16 tokens")
+    assert text.splitlines()[0].startswith("step 3: last token 5; one forward of 9 tokens")
     assert "level 0: 1 2" in text and "level 1: 3 4" in text and "predicted now (the next level): 11 12" in text
     assert "    1 3 11" in text and "    2 4 12" in text
     trie = [line for line in text.splitlines() if line.startswith("      ")]  # indented by depth
@@ -1279,19 +1349,20 @@ def test_cli_drafts_chooses_the_sources(tmp_path, capsys):
     # Steps of 128 tokens (24 candidates) hold recycling's 80-guess tree: a context that fits them.
     folder = write_tokenizer(write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=256)))
     code, out, err = run_cli(capsys, "--model", str(folder), "--prompt", "w7 w8 w9 w7 w8 w9",
-                             "--max-new-tokens", "16", "--drafts", "recycling,jacobi", "--explain", "10", "--window", "0",
+                             "--max-new-tokens", "16", "--drafts", "recycling,jacobi", "--window", "0",
                              "--candidates", "24", "--compare")
     assert code == 0, err
-    assert "[recycling]" in err and "[pool1]" not in err and "[pool2]" not in err and "identical to greedy: yes" in err
+    assert "draft sources TokenRecycling, JacobiGuess" in err and "PoolSource" not in err
+    assert "identical to greedy: yes" in err
 
 
 def test_a_source_in_the_users_own_file_runs_from_the_command_line(tiny_checkpoint, capsys):
     lookup = Path(__file__).resolve().parent / "examples" / "prompt_lookup.py"
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8 w9 w7",
                              "--max-new-tokens", "20", "--drafts", f"pool,{lookup}:PromptLookup,jacobi", "--window", "0",
-                             "--candidates", "3", "--explain", "20", "--compare")
+                             "--candidates", "3", "--compare")
     assert code == 0, err
-    assert "[lookup" in err and "identical to greedy: yes" in err
+    assert "draft sources PoolSource, PromptLookup, JacobiGuess" in err and "identical to greedy: yes" in err
 
 
 def test_cli_sampling(tiny_checkpoint, capsys):
@@ -1306,7 +1377,7 @@ def test_cli_sampling(tiny_checkpoint, capsys):
     "window", "ngram", "candidates", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
     "batch_bad_json", "batch_empty", "batch_and_prompt", "batch_explain", "batch_compile", "batch_long_prompt", "drafts",
     "drafts_no_file", "drafts_no_class", "drafts_not_a_source",
-    "max_seq_len_alone",
+    "max_seq_len_alone", "explain_drafts", "explain_sampling",
 ])
 def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsys, case):
     ckpt = str(tiny_checkpoint)
@@ -1352,6 +1423,8 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
                               "drafts_not_a_source": f"{tmp_path}/mine.py:Other"}[case]]
     elif case == "max_seq_len_alone":
         argv += ["--max-seq-len", "128"]
+    elif case.startswith("explain_"):  # --explain runs lookahead.py: greedy, the pool alone
+        argv += ["--explain", "2"] + (["--drafts", "pool"] if case == "explain_drafts" else ["--temperature", "0.7"])
     elif case == "no_template":
         (tiny_checkpoint / "tokenizer_config.json").write_text("{}")
         argv += ["--chat"]
@@ -1392,7 +1465,7 @@ def test_cli_ctrl_c_stops_cleanly(tiny_checkpoint, capsys, monkeypatch):
         on_tokens([7, 8])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "lookahead_decode", interrupted)
+    monkeypatch.setattr(cli, "generate", interrupted)
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8")
     assert code == 130
     assert "w7 w8" in out and "[interrupted]" in err
@@ -1496,11 +1569,11 @@ def test_bench_reports_a_wrong_decoder(tiny_checkpoint, tmp_path, capsys, monkey
     import bench
 
     def off_by_one(*args, **kwargs):  # a "lookahead" whose last token differs from greedy's
-        gen = lookahead_decode(*args, **kwargs)
+        gen = generate(*args, **kwargs)
         gen.tokens[-1] += 1
         return gen
 
-    monkeypatch.setattr(bench, "lookahead_decode", off_by_one)
+    monkeypatch.setattr(bench, "generate", off_by_one)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "w7 w8 w9", "chat": false}\n')
     code = bench.main(["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--configs", "2,3,2",
@@ -1522,11 +1595,11 @@ def test_bench_batch_compares_one_by_one_with_batches(tiny_checkpoint, tmp_path,
     assert [r[0] for r in rows] == ["greedy", "dynamic", "2,3,2"] and all(r[-1] == "yes" for r in rows), table
 
     def drop_last_row(model, prompts, *args, **kwargs):  # a batch that loses a row's last token
-        gens = lookahead_decode_batch(model, prompts, *args, **kwargs)
+        gens = generate_batch(model, prompts, *args, **kwargs)
         gens[-1].tokens = gens[-1].tokens[:-1]
         return gens
 
-    monkeypatch.setattr(bench, "lookahead_decode_batch", drop_last_row)
+    monkeypatch.setattr(bench, "generate_batch", drop_last_row)
     assert bench.main(argv) == 1
     assert "NO" in capsys.readouterr().out
 

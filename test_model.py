@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from conftest import FAMILY_OPTIONS, assert_matches_reference, hf_config, random_model, tiny_args, write_checkpoint
 from decoding import greedy_decode
-from lookahead import lookahead_decode
+from engine import generate
 from linear import Linear, tune_cpu_products
 from model import ModelArgs, Transformer, rope_inv_freq
 from tokenizer import TextStream, Tokenizer
@@ -418,7 +418,7 @@ def compiled_pair():
 def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(compiled_pair, monkeypatch):
     from torch._dynamo.utils import counters
     from decoding import sample_decode
-    from lookahead import lookahead_decode
+    from engine import generate
     from shape import SourceLedger, StepCosts
     eager, compiled = compiled_pair
     # The ledger weighs each source's measured seconds against the step's, which differ between
@@ -429,9 +429,9 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
     for prompt, n in (([1, 2, 3, 1, 2, 3, 1, 2], 30), ([5, 6, 7, 8, 9] * 3, 41), ([4], 12), ([3, 1, 4, 1, 5] * 48, 40)):
         runs = [
             lambda m: greedy_decode(m, prompt, n),
-            lambda m: lookahead_decode(m, prompt, n, costs=costs),
-            lambda m: lookahead_decode(m, prompt, n, window=2, ngram=3, candidates=1),  # 7 tokens a step, padded to 8
-            lambda m: lookahead_decode(m, prompt, n, window=1, ngram=3, candidates=1, temperature=0.9, seed=4),
+            lambda m: generate(m, prompt, n, costs=costs),
+            lambda m: generate(m, prompt, n, window=2, ngram=3, candidates=1),  # 7 tokens a step, padded to 8
+            lambda m: generate(m, prompt, n, window=1, ngram=3, candidates=1, temperature=0.9, seed=4),
             lambda m: sample_decode(m, prompt, n, temperature=0.9, seed=4),
         ]
         for run in runs:
@@ -442,7 +442,7 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
             torch.testing.assert_close(compiled.cache.kv()[..., :C, :], eager.cache.kv()[..., :C, :], rtol=0, atol=1e-10)
     assert counters["stats"]["unique_graphs"] == graphs  # new prompt lengths and lengths: no new graph
     assert any(s.size > 1 + s.guesses + s.window * s.levels
-               for s in lookahead_decode(compiled, [1, 2, 3, 1, 2, 3], 30, window=2, ngram=3, candidates=1).shapes)  # padding ran
+               for s in generate(compiled, [1, 2, 3, 1, 2, 3], 30, window=2, ngram=3, candidates=1).shapes)  # padding ran
 
 
 @needs_compiler
@@ -535,8 +535,8 @@ def test_every_family_decodes_as_transformers_greedy(hf_pair):
     prompt = torch.randint(0, 60, (1, 20), generator=torch.Generator().manual_seed(2))
     want = hf.generate(input_ids=prompt, max_new_tokens=70, min_new_tokens=70, do_sample=False)[0, 20:].tolist()
     assert greedy_decode(ours, prompt[0].tolist(), 70).tokens == want
-    assert lookahead_decode(ours, prompt[0].tolist(), 70).tokens == want
-    assert lookahead_decode(ours, prompt[0].tolist(), 70, window=4, ngram=4, candidates=4).tokens == want
+    assert generate(ours, prompt[0].tolist(), 70).tokens == want
+    assert generate(ours, prompt[0].tolist(), 70, window=4, ngram=4, candidates=4).tokens == want
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
