@@ -442,11 +442,11 @@ def step_costs_at(model, committed: int, sizes=(1, 4, 16, 64), repeats=5) -> dic
         for T in sizes:
             idx = torch.arange(T, device=model.device)[None]
             C = torch.full((1, 1), committed, device=model.device)
-            block = torch.ones(1, T, T, dtype=torch.bool, device=model.device).tril()
+            mask = torch.ones(1, T, T, dtype=torch.bool, device=model.device).tril()
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                timed(lambda: model.step(idx % 8, C + idx, C, block, (committed, committed)), model.device)
+                timed(lambda: model.step(idx % 8, C + idx, C, mask, (committed, committed)), model.device)
                 times.append(time.perf_counter() - start)
             out[T] = min(times)
     return out
@@ -548,9 +548,9 @@ def bench_contexts(path, contexts, device, dtype, compile_sizes=(1, 8), committe
                     for T in compile_sizes:
                         idx = torch.arange(T, device=device)[None]
                         C = torch.full((1, 1), committed, device=device)
-                        block = torch.ones(1, T, T, dtype=torch.bool, device=device).tril()
+                        mask = torch.ones(1, T, T, dtype=torch.bool, device=device).tril()
                         start = time.perf_counter()
-                        timed(lambda: model.step(idx % 8, C + idx, C, block, (committed, committed)), device)
+                        timed(lambda: model.step(idx % 8, C + idx, C, mask, (committed, committed)), device)
                         seconds[n, T].append(time.perf_counter() - start)
     head = ["max_position_embeddings", "cache slots", "K/V allocated (MB)", "compile (s)"]
     head += [f"{T}-token step at {committed} (ms), vs {contexts[0]}" for T in compile_sizes]

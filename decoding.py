@@ -105,7 +105,7 @@ def run_prompt(model: Transformer, ids: list[int], row: int, head=True):
         end = min(a + PREFILL_CHUNK, P)
         last = torch.tensor([end - 1 - a], device=dev) if head and end == P else None  # the logits row
         out = model(tokens[:, a:end], torch.arange(a, end, device=dev), torch.full((1, 1), a, device=dev),
-                    span=(a, a), cache_row=row, prompt_end=P - 1, read=last, head=last is not None)
+                    committed_range=(a, a), cache_row=row, prompt_end=P - 1, read=last, head=last is not None)
         if not head:
             hidden.append(out[0])
     return torch.cat(hidden) if not head else out[:, -1]
@@ -157,14 +157,14 @@ def switch_rope(model: Transformer, row: int, C: int, prompt: list[int], tokens:
 
 def before_step(model, policy, rows) -> int:
     """The most tokens this step may hold (free cache, the policy's largest size); each row's
-    worth_guessing and the draft sources the policy asks (drafts.py); longrope's switch
+    expected_guesses and the draft sources the policy asks (drafts.py); longrope's switch
     (switch_rope)."""
     limit = min(policy.largest, *(step_limit(model, row.C) for row in rows))
-    worth_guessing = min(limit, policy.forecast(len(rows))) - 1  # all of a step but `last`
+    expected_guesses = min(limit, policy.expected_size(len(rows))) - 1  # all of a step but `last`
     for j, row in enumerate(rows):
         if switch_rope(model, j, row.C, row.prompt, row.tokens):
             row.moves = []  # every committed slot written anew: nothing to roll back
-        row.worth_guessing, row.asked = worth_guessing, policy.asked(row)
+        row.expected_guesses, row.proposers = expected_guesses, policy.proposers(row)
     return limit
 
 
@@ -198,9 +198,9 @@ def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, se
     tokens = [[t] for t in next_tokens[:, 0].tolist()]
     out = [Generation(t, 0, 0.0, prefill_seconds=time.perf_counter() - start) for t in tokens]
     C = torch.tensor([[len(p)] for p in prompts], device=dev)  # (B, 1)
-    lengths = [len(p) for p in prompts]  # C on the host: the span of the cache read
+    lengths = [len(p) for p in prompts]  # C on the host: the committed_range of the cache read
     active = list(range(len(prompts)))  # the rows still decoding, in the cache's row order
-    alone = torch.ones(len(prompts), 1, 1, dtype=torch.bool, device=dev)  # each token's block: itself
+    alone = torch.ones(len(prompts), 1, 1, dtype=torch.bool, device=dev)  # each token's mask: itself
     for b in active:
         on_tokens and on_tokens(b, tokens[b])
     while True:
@@ -212,8 +212,8 @@ def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, se
             active, C, next_tokens = [active[j] for j in keep], C[keep], next_tokens[keep]
         for j, b in enumerate(active):
             switch_rope(model, j, lengths[b], prompts[b], tokens[b])
-        span = min(lengths[b] for b in active), max(lengths[b] for b in active)
-        logits = model.step(next_tokens, C, C, alone[:len(active)], span)  # (B, 1, V): each sees its committed slots
+        committed_range = min(lengths[b] for b in active), max(lengths[b] for b in active)
+        logits = model.step(next_tokens, C, C, alone[:len(active)], committed_range)  # (B, 1, V): each sees its committed slots
         next_tokens = sampling.pick(logits[:, -1], [gens[b] for b in active])
         C = C + 1
         for b, t in zip(active, next_tokens[:, 0].tolist()):  # the one host sync per step

@@ -38,7 +38,7 @@ class DraftSource:
     the memory's tables instead of its own.
 
     What `seq` offers (read only): prompt and tokens (ids; tokens[-1] is `last`), max_new, N,
-    pool (the row's NGramPool), and worth_guessing: the most guesses the policy expects the
+    pool (the row's NGramPool), and expected_guesses: the most guesses the policy expects the
     coming steps to hold, so that a source whose guesses cost it to make need not make more.
 
     How the shapes use proposals (the pool's come first, then the other sources' in their
@@ -56,7 +56,7 @@ class DraftSource:
 
     rankings: how many of the model's best next tokens the source reads after every position a
     step reads (RowStep.rankings, None unless some source of the row asks) while
-    wants_rankings(seq.worth_guessing) says they are worth reading; 0: none (the default).
+    wants_rankings(seq.expected_guesses) says they are worth reading; 0: none (the default).
     Not to be confused with sampling's top_k: these are read, never sampled from."""
 
     rankings = 0
@@ -73,7 +73,7 @@ class DraftSource:
     def observe(self, seq, step):
         pass
 
-    def wants_rankings(self, worth_guessing: int) -> bool:
+    def wants_rankings(self, expected_guesses: int) -> bool:
         return True
 
     def observe_prefill(self, seq, rankings: list[list[int]]):
@@ -160,7 +160,7 @@ def token_back(seq, n: int) -> int:
 
 def readers(row) -> list[DraftSource]:
     """The row's sources that read the model's rankings now (of those asked to propose)."""
-    return [s for s in row.asked if s.rankings and s.wants_rankings(row.worth_guessing)]
+    return [s for s in row.proposers if s.rankings and s.wants_rankings(row.expected_guesses)]
 
 
 def rankings_wanted(rows) -> int:

@@ -57,10 +57,10 @@ class Sequence:
         for source in {self.pool, *self.sources} if memory is not None else ():
             source.remember(memory)  # what they learn outlives the request (drafts.Memory)
         self.pool.add_text(self.prompt, len(self.prompt), self.N)  # answers copy their prompt
-        self.asked, self.jacobi = self.sources, next((s for s in self.sources if isinstance(s, JacobiGuess)), None)
+        self.proposers, self.jacobi = self.sources, next((s for s in self.sources if isinstance(s, JacobiGuess)), None)
         self.spent = {s: 0.0 for s in self.sources}  # seconds in each source's hooks (the policy weighs them)
         self.made_by = {}  # Candidate.source label -> the source that proposed it
-        self.worth_guessing = 0  # guesses the coming steps are expected to hold (set before each step)
+        self.expected_guesses = 0  # guesses the coming steps are expected to hold (set before each step)
         self.moves = []  # the last step's roll back, (from, to) cache slots, done by the next forward
 
     @property
@@ -71,9 +71,9 @@ class Sequence:
         """The asked sources' candidates in the sources' order, as many of each as the policy
         takes, none past max_new_tokens."""
         k, out = self.max_new - len(self.tokens) - 1, []
-        for source in self.asked if k > 0 else ():
+        for source in self.proposers if k > 0 else ():
             start = time.perf_counter()
-            for c in source.propose(self, k)[:policy.takes(source is self.pool)]:
+            for c in source.propose(self, k)[:policy.candidates_per_source(source is self.pool)]:
                 if not c.tokens:
                     continue
                 if len(c.tokens) > k or type(c.tokens) is not tuple:
@@ -105,7 +105,8 @@ class Sequence:
         self.C += len(slots)
         window = self.window[:] if w else []
         # 6. The window moves on before the commit pools the committed text's n-grams.
-        pooled = update_window(self.window, pred[len(tree):len(tree) + w], self.pool, tree.tokens[0], self.N) if w else []
+        new_level = pred[len(tree):len(tree) + w]
+        pooled = update_window(self.window, new_level, self.pool, tree.tokens[0], self.N) if w else []
         # 7. Commit, stopping exactly where greedy would; then every draft source sees the step.
         committed = commit(self.prompt, self.tokens, [tree.tokens[v] for v in path] + [bonus], self.max_new,
                            self.stop, self.pool if self.output_ngrams else None, self.N)
@@ -161,10 +162,10 @@ def verify(row: Sequence, tree: Tree, pred: list[int], logits, j: int) -> tuple[
     return verify_sampled(tree, row.sampling.probs(logits[j, :len(tree)]), row.rng, row.gen)
 
 
-def start_rows(model, rows: list[Sequence], sampling: Sampling, worth_guessing: int, start: float, on_tokens=None):
+def start_rows(model, rows: list[Sequence], sampling: Sampling, expected_guesses: int, start: float, on_tokens=None):
     """Prefill every row's prompt and commit its first token."""
     for row in rows:
-        row.worth_guessing = worth_guessing
+        row.expected_guesses = expected_guesses
     logits = prefill_with_rankings(model, rows)
     first = sampling.pick(logits, [row.gen for row in rows])[:, 0].tolist()
     for b, row in enumerate(rows):
@@ -195,7 +196,7 @@ def generate_batch(model, prompts, max_new_tokens, *, window=None, ngram=None, c
     ensure_cache(model, min(model.args.max_seq_len, longest + policy.largest), len(prompts))
     rows = [Sequence(p, m, policy, sampling, seed + b, set(stop_ids), model.device, output_ngrams, drafts, memory)
             for b, (p, m) in enumerate(zip(prompts, limits))]
-    start_rows(model, rows, sampling, policy.forecast(len(rows)) - 1, start, on_tokens)
+    start_rows(model, rows, sampling, policy.expected_size(len(rows)) - 1, start, on_tokens)
     active = list(range(len(rows)))  # the rows still decoding, in the cache's row order
     buffer = step_buffer(model, len(rows), policy.largest)
     while True:

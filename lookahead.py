@@ -285,14 +285,13 @@ def lookahead_step(model, s: State, W: int, N: int, G: int, max_new: int, stop) 
     # 2. The window: W columns, as many levels as it has grown (1 to N-1).
     if W:
         s.window = fill_window(s.window, W, s.prompt, s.rng)
-    L, n = len(s.window) if W else 0, len(tree)
-    levels = s.window[:] if W else []  # the levels as run (update_window replaces them, never edits one)
+    L, n, levels = len(s.window) if W else 0, len(tree), s.window[:] if W else []  # levels as run
     # 3. Inputs: [ trie | window ], every token at its own position, under one mask.
     mask, offsets = step_mask(tree, W, L)
     tokens = tree.tokens + [t for level in levels for t in level]
     read = list(range(n)) + list(range(n + (L - 1) * W, n + L * W))  # the trie, the newest level
-    # 4. Forward: the step's tokens fill slots C .. C+T-1 after the committed ones, all of
-    #    which each sees; the logits at the positions read only.
+    # 4. Forward: the step's tokens fill slots C .. C+T-1, each seeing every committed slot
+    #    too; the logits at the positions read only.
     dev = model.device
     logits = model(torch.tensor([tokens], device=dev), torch.tensor([[s.C + o for o in offsets]], device=dev),
                    torch.tensor([[s.C]], device=dev), mask[None].to(dev), (s.C, s.C),
@@ -325,8 +324,8 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, *, window, ngram, candid
         raise ValueError(f"need ngram >= 2, window >= 0 and candidates >= 0 (got {W}, {N}, {G})")
     start, prompt = time.perf_counter(), list(prompt_ids)
     max_new = check_requests(model, [prompt], max_new_tokens)[0]  # a clear error for a bad request
-    scaling = model.args.rope_scaling
-    if scaling and scaling["rope_type"] == "longrope" and len(prompt) + max_new > scaling["original_max_position_embeddings"]:
+    scaling = model.args.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope" and len(prompt) + max_new > scaling["original_max_position_embeddings"]:
         raise ValueError("this request crosses Phi-3's longrope switch: engine.generate runs it")
     slots = min(model.args.max_seq_len, len(prompt) + max_new + (W + G) * (N - 1))
     if model.cache.slots < slots or model.cache.rows != 1:
@@ -334,7 +333,7 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, *, window, ngram, candid
     # The prompt fills slots 0 .. P-1, causally; its last logits give the first token.
     dev = model.device
     logits = model(torch.tensor([prompt], device=dev), committed=torch.zeros(1, 1, dtype=torch.long, device=dev),
-                   span=(0, 0), prompt_end=len(prompt) - 1, read=torch.tensor([len(prompt) - 1], device=dev))
+                   committed_range=(0, 0), prompt_end=len(prompt) - 1, read=torch.tensor([len(prompt) - 1], device=dev))
     s = State(prompt, [], len(prompt), [], NGramPool(max(G, 8) if G else 0), random.Random(0))
     s.pool.add_text(prompt, len(prompt), N)  # answers copy their prompt
     commit(prompt, s.tokens, logits[0, -1:].argmax(-1).tolist(), max_new, set(stop_ids), s.pool, N)

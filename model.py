@@ -154,7 +154,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, own, prefix, slots, rows, moves=None):
         """own: how this call's tokens see one another: None = causally, an additive
-        (B, 1, g * T, T) mask (a step's block, a band past a sliding window; once per grouped
+        (B, 1, g * T, T) mask (a step's mask, a band past a sliding window; once per grouped
         head), or False = through the prefix (a one-token step: its slot is read with the
         committed ones). prefix: None, or (start, end, mask): the cache slots [start, end) they
         also see, under an additive (B, 1, 1, S) mask (one entry a row and slot) or None, or in a
@@ -314,7 +314,7 @@ class Transformer(nn.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def forward(self, tokens, positions=None, committed=None, block=None, span=None, read=None, cache_row=None,
+    def forward(self, tokens, positions=None, committed=None, mask=None, committed_range=None, read=None, cache_row=None,
                 prompt_end=None, check=True, head=True, moves=None):
         """tokens (B, T) -> logits (B, T, vocab).
 
@@ -322,10 +322,10 @@ class Transformer(nn.Module):
         or (T,), and no cache. With committed (B, 1): row b has committed[b] tokens in slots
         [0, committed[b]) of its cache row, slot s holding position s; this call's token t sits at
         RoPE position positions[b, t], writes its K/V into slot committed[b] + t, and attends to
-        the committed slots and to this call's tokens: causally (block None: a prompt, or a chunk
-        of one after the chunks before it) or where block[b, t, u] is True (B, T, T): a decoding
+        the committed slots and to this call's tokens: causally (mask None: a prompt, or a chunk
+        of one after the chunks before it) or where mask[b, t, u] is True (B, T, T): a decoding
         step's tree and window, any shape of them.
-        span: (least, most) of committed, known on the host: the cache slots read (default: read
+        committed_range: (least, most) of committed, known on the host: the cache slots read (default: read
         from committed, a host sync; a compiled step passes a bucket).
         read: compute logits only at these token indices, (R,) or per row (B, R) (the LM head is
         a large part of a small model's step, and lookahead reads few of the positions).
@@ -343,9 +343,9 @@ class Transformer(nn.Module):
         slots, rows, lo, hi = None, None, 0, 0
         if committed is not None:
             slots = torch.arange(B, device=dev)[:, None], committed + torch.arange(T, device=dev)  # (B, 1), (B, T)
-            lo, hi = span if span is not None else (int(committed.min()), int(committed.max()))
+            lo, hi = committed_range if committed_range is not None else (int(committed.min()), int(committed.max()))
             rows = slice(0, B) if cache_row is None else slice(cache_row, cache_row + 1)
-        full, local = self.layer_inputs(positions, committed, block, lo, hi, prompt_end)
+        full, local = self.layer_inputs(positions, committed, mask, lo, hi, prompt_end)
         x = self.embed_tokens(tokens)  # (B, T, dim)
         if self.args.embed_scale != 1.0:
             x = x * self.embed_scale.to(x.dtype)
@@ -355,30 +355,30 @@ class Transformer(nn.Module):
             x = x[:, read] if read.dim() == 1 else x[torch.arange(B, device=dev)[:, None], read]
         return self.lm_head(self.norm(x)) if head else self.norm(x)
 
-    def layer_inputs(self, positions, committed, block, lo, hi, prompt_end):
+    def layer_inputs(self, positions, committed, mask, lo, hi, prompt_end):
         """(cos, sin, own, prefix) for the global layers and for the sliding ones (the same tuple
         where none slides): built once a forward, shared by every layer of a kind."""
         last = None
-        if block is None:  # a prompt: longrope takes one set of factors for all of it
+        if mask is None:  # a prompt: longrope takes one set of factors for all of it
             last = (positions.amax(-1, keepdim=True) if prompt_end is None
                     else positions.new_full((positions.shape[0], 1), prompt_end))  # (B, 1)
         g = self.args.n_heads // self.args.n_kv_heads  # query heads a K/V head serves: its mask rows, repeated
-        full = (*self.rope(positions, self.dtype, last=last), *step_masks(positions, committed, block, lo, hi, self.dtype,
+        full = (*self.rope(positions, self.dtype, last=last), *step_masks(positions, committed, mask, lo, hi, self.dtype,
                                                                           groups=g))
         if not self.slides:
             return full, full
         local = (*(self.rope(positions, self.dtype, local=True) if self.rope.local_inv_freq is not None else full[:2]),
-                 *step_masks(positions, committed, block, lo, hi, self.dtype, self.args.sliding_window, g))
+                 *step_masks(positions, committed, mask, lo, hi, self.dtype, self.args.sliding_window, g))
         return full, local
 
-    def step(self, tokens, positions, committed, block, span, read=None, moves=None):
+    def step(self, tokens, positions, committed, mask, committed_range, read=None, moves=None):
         """One decoding step of B rows: forward(tokens (B, T), positions (B, T), committed (B, 1),
-        block (B, T, T), span, moves (B, 2, M) or None) -> logits (B, R, V) at `read` (B, R). A
+        mask (B, T, T), committed_range, moves (B, 2, M) or None) -> logits (B, R, V) at `read` (B, R). A
         compiled size replays its graph (CompiledStep); anything else runs eagerly."""
         if self.compiled is not None and tokens.shape[1] in self.compiled.sizes:
-            return self.compiled(tokens, positions, committed, block, span, read, moves)
+            return self.compiled(tokens, positions, committed, mask, committed_range, read, moves)
         # The decoders size every step to fit the cache (<= the context): no sync to check positions.
-        return self(tokens, positions, committed, block, span, read=read, check=False, moves=moves)
+        return self(tokens, positions, committed, mask, committed_range, read=read, check=False, moves=moves)
 
     def compile_steps(self, sizes, cache_len=None, log=None):
         """Compile the step for these sizes now (CompiledStep), over a cache of cache_len slots."""
@@ -448,23 +448,23 @@ class CompiledStep:
         for T in sizes:
             start = time.perf_counter()
             idx = torch.arange(T, device=dev)[None]  # (1, T)
-            block = torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()
+            mask = torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()
             # Positions and committed as distinct tensors, as the decoders pass them: a graph
             # guarded on the two being one tensor would be compiled again at the first request.
             for _ in range(3 if mode else 1):  # CUDA graphs record on the second or third call
                 self.step(torch.zeros(1, T, dtype=torch.long, device=dev), 1 + idx,
-                          torch.ones(1, 1, dtype=torch.long, device=dev), block, self.still.clone(), width)
+                          torch.ones(1, 1, dtype=torch.long, device=dev), mask, self.still.clone(), width)
             log and log(f"compiled the {T}-token step in {time.perf_counter() - start:.1f} s")
         self.sizes = tuple(sizes)
 
-    def bucketed_step(self, tokens, positions, committed, block, moves, width):
+    def bucketed_step(self, tokens, positions, committed, mask, moves, width):
         """The compiled function: every position's logits, reading cache slots [0, width)."""
-        return self.model(tokens, positions, committed, block, (0, width), check=False, moves=moves)
+        return self.model(tokens, positions, committed, mask, (0, width), check=False, moves=moves)
 
-    def __call__(self, tokens, positions, committed, block, span, read=None, moves=None):
+    def __call__(self, tokens, positions, committed, mask, committed_range, read=None, moves=None):
         # A graph is specialised on its inputs' strides too, and on which of them are one tensor:
         # fresh contiguous copies, as at the warm-up (a few small copies a step).
         moves = self.still if moves is None else moves
-        inputs = [t.clone(memory_format=torch.contiguous_format) for t in (tokens, positions, committed, block, moves)]
-        logits = self.step(*inputs, cache_bucket(span[1], self.model.cache.slots))
+        inputs = [t.clone(memory_format=torch.contiguous_format) for t in (tokens, positions, committed, mask, moves)]
+        logits = self.step(*inputs, cache_bucket(committed_range[1], self.model.cache.slots))
         return logits if read is None else logits[torch.arange(len(read), device=read.device)[:, None], read]

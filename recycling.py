@@ -18,7 +18,7 @@ from the last token as candidates.
 The template is the same every step: the 80-node tree the authors published (their repository's
 tree template "2.2.2", k = 8, up to 6 deep), written below as rank paths, one line a depth. It is
 wide near the root (all 8 ranks after `last`), deep along the best ranks. A step gets as much of
-it as the policy expects the step to hold (seq.worth_guessing), best first: the paths that skip
+it as the policy expects the step to hold (seq.expected_guesses), best first: the paths that skip
 the fewest ranks, shallower first (each node after its parent), so the greedy chain comes whole
 before any runner-up; the dynamic shape learns per depth and rank how often these guesses are
 right, and keeps only those worth their cost. A token the model has not ranked yet ends its path.
@@ -82,11 +82,11 @@ class TokenRecycling(DraftSource):
         ranked = self.next2.get((before, token))
         return self.next.get(token, []) if ranked is None else ranked
 
-    def wants_rankings(self, worth_guessing):
-        return worth_guessing > 0
+    def wants_rankings(self, expected_guesses):
+        return expected_guesses > 0
 
     def propose(self, seq, k):
-        n = min(seq.worth_guessing, len(self.template))  # the best n paths: what the step may hold
+        n = min(seq.expected_guesses, len(self.template))  # the best n paths: what the step may hold
         context = (token_back(seq, 2), seq.tokens[-1])  # the pair ending in `last`
         chains = [None] * n  # each path's tokens; None where a token along it is unranked, or past k
         ranked_after = {}  # node -> the ranking after it (siblings share it)
@@ -112,7 +112,7 @@ class TokenRecycling(DraftSource):
                 self.next2[seq.prompt[i - 1], token] = best
 
     def observe(self, seq, step):
-        if step.rankings is None or not self.wants_rankings(seq.worth_guessing):
+        if step.rankings is None or not self.wants_rankings(seq.expected_guesses):
             return  # the prefill's first token (no rankings), or idle
         tree, n = step.tree, len(step.tree)
         before_last = token_back(seq, len(step.committed) + 2)  # `last` came before what the step committed

@@ -1,9 +1,9 @@
 """The policies: what each step runs, the paper's fixed shape or one chosen per step.
 
-A policy answers five calls: asked(row) -> the draft sources that propose this step, and
-takes(pooled) -> how many candidates of each it runs (None: all); plan(rows, trees, limit) ->
+A policy answers five calls: proposers(row) -> the draft sources that propose this step, and
+candidates_per_source(pooled) -> how many candidates of each it runs (None: all); plan(rows, trees, limit) ->
 for every row the trie of guesses to verify, the window columns to run and the step's Shape,
-within `limit` tokens; observe(rows, steps, T, seconds) after the step; forecast(B) -> the step
+within `limit` tokens; observe(rows, steps, T, seconds) after the step; expected_size(B) -> the step
 size it expects to run soon (draft sources whose guesses cost to make need guess no further).
 FixedShape is the paper's (W, N, G every step). DynamicShape chooses per step: lookahead
 decoding verifies any guesses exactly, and what it should guess depends on what a step costs on
@@ -56,7 +56,7 @@ def shape_policy(model, window, ngram, candidates, costs):
 
 class FixedShape:
     """The paper's policy: every step the pool's first G candidates and every other source's
-    first one (Sequence.propose takes as many of each as `takes` says), each cut or padded to
+    first one (Sequence.propose takes as many of each as `candidates_per_source` says), each cut or padded to
     N-1 guesses (padded with its last token: a slot's cost, never exactness), and the whole
     window, W columns x N-1 levels: 1 + (W + G + other sources) x (N-1) tokens a step. Where the
     cache ends, or past the menu's largest size, the window sits out and the trie is cut to fit."""
@@ -69,11 +69,11 @@ class FixedShape:
         self.paper_step = step_size(1 + (W + G) * (N - 1))  # `last`, the window and the pool's G candidates
         self.largest = MAX_STEP
 
-    def takes(self, pooled: bool) -> int:
+    def candidates_per_source(self, pooled: bool) -> int:
         """How many of a source's candidates a step runs: the pool's G, every other source's best."""
         return self.G if pooled else 1
 
-    def asked(self, row) -> list:
+    def proposers(self, row) -> list:
         return row.sources  # every source, every step
 
     def plan(self, rows, trees, limit: int) -> list[tuple]:
@@ -92,7 +92,7 @@ class FixedShape:
             tree = keep(tree, range(1, 1 << (limit.bit_length() - 1)))
         return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
 
-    def forecast(self, B: int) -> int:
+    def expected_size(self, B: int) -> int:
         return self.paper_step
 
     def observe(self, rows, steps, T: int, seconds: float):
@@ -118,18 +118,18 @@ class DynamicShape:
                                           once(once(STEP_COSTS, self.model, dict), B, StepCosts))
         return costs
 
-    def forecast(self, B: int) -> int:
-        return min(self.largest, self.costs(B).forecast())
+    def expected_size(self, B: int) -> int:
+        return min(self.largest, self.costs(B).expected_size())
 
-    def takes(self, pooled: bool) -> None:
+    def candidates_per_source(self, pooled: bool) -> None:
         return None  # every candidate: the plan keeps those worth their cost
 
-    def asked(self, row) -> list:
-        return once(self.ledgers, row, lambda: SourceLedger(row.sources)).asked()
+    def proposers(self, row) -> list:
+        return once(self.ledgers, row, lambda: SourceLedger(row.sources)).proposers()
 
     def plan(self, rows, trees, limit: int) -> list[tuple]:
         return choose_shape([(tree, once(self.acceptance, row, Acceptance), len(row.window) or 1, MAX_WINDOW,
-                               row.jacobi in row.asked) for row, tree in zip(rows, trees)], self.costs(len(rows)), limit)
+                               row.jacobi in row.proposers) for row, tree in zip(rows, trees)], self.costs(len(rows)), limit)
 
     def observe(self, rows, steps, T: int, seconds: float):
         for row, step in zip(rows, steps):
@@ -166,7 +166,7 @@ class SourceLedger:
         self.spent_before = {s: 0.0 for s in sources}  # its seconds so far, at the last step
         self.window = {s: [0, 0.0, 0.0, 0, 0] for s in sources}  # steps, its seconds, steps' seconds, row's tokens, its own
 
-    def asked(self) -> list:
+    def proposers(self) -> list:
         return [s for s in self.sources if not self.rest[s]]
 
     def record(self, row, step, seconds: float, tested: list):
@@ -211,7 +211,7 @@ class StepCosts:
     and only one size above the largest one measured twice is ever considered: the decoder climbs
     the menu one rung at a time and stops where a wider step no longer pays. On a CPU it stops
     after a rung or two; where steps are free (a GPU at small sizes) it goes wide. So the next
-    steps will hold about twice what the recent ones held (forecast, from the median of the last
+    steps will hold about twice what the recent ones held (expected_size, from the median of the last
     8: a size tried once, a rung up, is a trial, not where the steps are).
     `table` fixes the estimates instead (a cost model for tests and experiments: sizes not in
     it are never chosen)."""
@@ -226,7 +226,7 @@ class StepCosts:
         """Every size up to `largest` costs the same: what the policy does where steps are free."""
         return cls({1 << i: 1.0 for i in range(largest.bit_length())})
 
-    def forecast(self) -> int:
+    def expected_size(self) -> int:
         """The largest step worth guessing for next: one rung above what the last 8 steps held
         (twice their upper median; 2 before any step), or the table's largest. The median, not
         the largest: the climb tries a rung up now and then, and one trial is not where the

@@ -113,7 +113,7 @@ class StepBuffer:
         layout = self.layouts.get((B, T, S))
         if layout is None:
             layout = self.layouts[B, T, S] = self.views(B, T, S, start, end)
-        copy, (tokens, positions, C, reads, moves, block) = layout
+        copy, (tokens, positions, C, reads, moves, mask) = layout
         if copy is not None:
             copy[0].copy_(copy[1])  # the step's one host-to-device copy
         read = self.read_slices.get((B, T, S, R))  # each kept apart: R changes most steps, M seldom
@@ -122,7 +122,7 @@ class StepBuffer:
         moved = self.move_slices.get((B, T, S, M))
         if moved is None:
             moved = self.move_slices[B, T, S, M] = moves[:, :, :M] if M else None
-        return tokens, positions, C, block, read, moved
+        return tokens, positions, C, mask, read, moved
 
     @staticmethod
     def ints_at(B: int, T: int) -> int:
@@ -160,7 +160,7 @@ def pack_inputs(model, rows, parts: list, T: int, buffer: StepBuffer):
     """The step's inputs: its ints (int64) written into the buffer after the masks (on a
     device, sent in ONE host-to-device copy: one a tensor would be a sync point each on a GPU)
     and read as tokens (B, T), positions (B, T), committed (B, 1), the in-step mask (B, T, T),
-    the span of committed lengths (host), the positions read (B, R) and the step before's roll
+    the committed_range of committed lengths (host), the positions read (B, R) and the step before's roll
     back, (B, 2, M) slots (from, to), padded with slot 0 onto itself (None: none); the rows'
     moves, sent, are cleared. parts: each row's row_inputs, its mask written in buffer.masks."""
     B, R = len(rows), max(len(read) for *_, read in parts)
@@ -176,9 +176,9 @@ def pack_inputs(model, rows, parts: list, T: int, buffer: StepBuffer):
         ints.fromlist(tokens + [row.C + o for o in offsets] + [row.C] + read + read[:1] * (T - len(read)) +
                       [s for s, _ in moves] + [d for _, d in moves])
         row.moves = []
-    tokens, positions, C, block, read, moves = buffer.load(ints, B, T, S, R, M)
-    span = min(row.C for row in rows), max(row.C for row in rows)
-    return tokens, positions, C, block, span, read, moves
+    tokens, positions, C, mask, read, moves = buffer.load(ints, B, T, S, R, M)
+    committed_range = min(row.C for row in rows), max(row.C for row in rows)
+    return tokens, positions, C, mask, committed_range, read, moves
 
 
 def rollback_now(model, rows):

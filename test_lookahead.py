@@ -304,7 +304,7 @@ def test_recycling_template_is_the_published_tree():
 
 
 def test_recycling_offers_the_tree_of_the_models_last_top_k():
-    seq = type("Seq", (), dict(prompt=[5, 6, 5, 7], tokens=[5], worth_guessing=80))()
+    seq = type("Seq", (), dict(prompt=[5, 6, 5, 7], tokens=[5], expected_guesses=80))()
     tr = TokenRecycling(template=[(0,), (0, 0), (1,), (0, 0, 0), (0, 1), (1, 0)])
     assert tr.rankings == 2
     tr.observe_prefill(seq, [[6, 7], [5, 9], [7, 6], [8, 9]])  # the model's top 2 after each prompt token
@@ -314,11 +314,11 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
     assert [c.tokens for c in tr.propose(seq, 1)] == [(7,), (6,)]  # ...never past k
     # Where a step holds fewer guesses, the best of the tree that fit: the fewest skipped ranks
     # first, shallower first: (0) (0 0) (0 0 0) (1) (0 1) | (1 0).
-    seq.worth_guessing = 5
+    seq.expected_guesses = 5
     assert [c.tokens for c in tr.propose(seq, 3)] == [(7, 8), (7, 9), (6,)]
-    seq.worth_guessing = 2
+    seq.expected_guesses = 2
     assert [c.tokens for c in tr.propose(seq, 3)] == [(7, 8)]
-    seq.worth_guessing = 80
+    seq.expected_guesses = 80
     # A step reads the trie's rows (last 5, guesses 7 and 1) and the window's newest level (6, 2):
     # the trie's rank anew, accepted or not; the window's only tokens the table does not know.
     tree = Tree(5, [Candidate((7, 1), "recycling")])
@@ -328,7 +328,7 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
 
 
 def test_recycling_reads_the_ranking_after_the_last_two_tokens_where_it_has_one():
-    seq = type("Seq", (), dict(prompt=[1, 2, 3, 9, 2, 1], tokens=[2], worth_guessing=80))()  # text ... 1 2: `last` 2 after 1
+    seq = type("Seq", (), dict(prompt=[1, 2, 3, 9, 2, 1], tokens=[2], expected_guesses=80))()  # text ... 1 2: `last` 2 after 1
     tr = TokenRecycling(template=[(0,), (0, 0)])
     tr.observe_prefill(seq, [[2, 0], [3, 0], [9, 0], [2, 0], [4, 0], [2, 0]])
     assert tr.next[2] == [4, 0] and tr.next2[1, 2] == [3, 0]  # after 2 last time: 4; after "1 2": 3
@@ -746,9 +746,9 @@ def test_a_steps_inputs_reach_a_device_in_one_copy_as_the_cpus_views():
                 out[device] = pack_inputs(model, rows, parts, 4, buffer)
             assert counter.syncs == [device != "cpu"] and rows[0].moves == []
         assert dict(counter.outside[0]) == ({} if device == "cpu" else {"copy_": 1}), counter.outside
-    tokens, positions, C, block, span, read, moves = inputs["cpu"]  # the first step's views: the second's values
+    tokens, positions, C, block, committed_range, read, moves = inputs["cpu"]  # the first step's views: the second's values
     assert tokens.tolist() == [[5, 6, 7, 0], [8, 9, 0, 0]] and positions.tolist() == [[30, 31, 32, 30], [60, 61, 60, 60]]
-    assert C.tolist() == [[30], [60]] and read.tolist() == [[0, 1, 2], [0, 1, 0]] and span == (10, 20)
+    assert C.tolist() == [[30], [60]] and read.tolist() == [[0, 1, 2], [0, 1, 0]] and committed_range == (10, 20)
     assert moves.tolist() == [[[32], [31]], [[0], [0]]] and block.dtype == torch.bool
     assert block.tolist() == [[[i != 0 for i in range(r, r + 4)] for r in range(0, 16, 4)], [[False] * 4] * 4]
     assert again["cpu"][4] == (30, 60)
@@ -878,18 +878,18 @@ def test_step_costs_room_is_one_rung_above_the_recent_steps():
     # median of the last 8 steps (2 before any), a fixed table's largest size. A rung tried once
     # is a trial: it does not move the room (the largest would make it 32 here).
     costs = StepCosts()
-    assert costs.forecast() == 2
+    assert costs.expected_size() == 2
     for size in (4, 16, 2, 2, 2, 2, 2, 2):
         costs.record(size, 0.1)
-    assert costs.forecast() == 4
+    assert costs.expected_size() == 4
     for size in (16, 16, 8):
         costs.record(size, 0.1)  # the last 8: 2 2 2 2 2 16 16 8, the upper median 2
-    assert costs.forecast() == 4
+    assert costs.expected_size() == 4
     costs.record(16, 0.1)  # 2 2 2 2 16 16 8 16: 8
-    assert costs.forecast() == 16
+    assert costs.expected_size() == 16
     costs.record(16, 0.1)  # 2 2 2 16 16 8 16 16: half the steps at 16
-    assert costs.forecast() == 32
-    assert StepCosts.flat(64).forecast() == 64
+    assert costs.expected_size() == 32
+    assert StepCosts.flat(64).expected_size() == 64
 
 
 def test_the_dynamic_step_verifies_the_likeliest_guesses():
@@ -1377,7 +1377,7 @@ def test_cli_sampling(tiny_checkpoint, capsys):
     "window", "ngram", "candidates", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
     "batch_bad_json", "batch_empty", "batch_and_prompt", "batch_explain", "batch_compile", "batch_long_prompt", "drafts",
     "drafts_no_file", "drafts_no_class", "drafts_not_a_source",
-    "max_seq_len_alone", "explain_drafts", "explain_sampling",
+    "max_seq_len_alone", "explain_drafts", "explain_sampling", "cut_short",
 ])
 def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsys, case):
     ckpt = str(tiny_checkpoint)
@@ -1388,6 +1388,9 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
         (tiny_checkpoint / "config.json").unlink()
     elif case == "no_weights":
         (tiny_checkpoint / "model.safetensors").unlink()
+    elif case == "cut_short":  # a partial copy, as when a model is carried to another machine
+        weights = tiny_checkpoint / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     elif case == "model_type":
         cfg = json.loads((tiny_checkpoint / "config.json").read_text())
         (tiny_checkpoint / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))

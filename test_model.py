@@ -392,7 +392,7 @@ def test_text_stream_keeps_spaces_and_whole_characters(smollm2_path):
         pieces.append(piece)
     pieces.append(stream.flush())
     assert "".join(pieces) == text
-    assert any(p == "" for p in pieces)  # some character did span several tokens
+    assert any(p == "" for p in pieces)  # some character did committed_range several tokens
 
 
 # --- the compiled step ------------------------------------------------------------------------
@@ -662,3 +662,20 @@ def test_a_dtype_the_gpu_cannot_run_is_refused_before_any_weight_is_read(tmp_pat
     monkeypatch.setattr(model_module, "read_weights", reached)
     with pytest.raises(ValueError if message else Reached, match=message):
         Transformer.from_pretrained(folder, device="cuda", dtype=dtype)
+
+
+def test_a_float64_prompt_in_chunks_through_plain_attention_is_the_same_as_whole(monkeypatch):
+    # A GPU runs float64 through plain-math attention (plain_attention_with_lse); a prompt's
+    # chunk after the first is causal over itself beside the cache. Forced onto that path on the
+    # CPU, a prompt in chunks of 7 gives the logits of the prompt run whole.
+    import attention
+    import decoding
+    import model as model_module
+    model = random_model(seed=3, vocab_size=16)
+    prompt = [int(t) for t in torch.randint(0, 16, (30,), generator=torch.Generator().manual_seed(3))]
+    decoding.ensure_cache(model, 64, 1)
+    whole = decoding.prefill(model, [prompt])
+    monkeypatch.setattr(model_module, "attention_with_lse", attention.plain_attention_with_lse)
+    monkeypatch.setattr(decoding, "PREFILL_CHUNK", 7)
+    chunked = decoding.prefill(model, [prompt])
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-10)

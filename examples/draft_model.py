@@ -47,12 +47,12 @@ class DraftModel(DraftSource):
         draft's next token after the last of them."""
         dev = self.model.device
         logits = self.model(torch.tensor([tokens], device=dev), torch.arange(at, at + len(tokens), device=dev),
-                            torch.tensor([[at]], device=dev), span=(at, at), read=torch.tensor([len(tokens) - 1], device=dev))
+                            torch.tensor([[at]], device=dev), committed_range=(at, at), read=torch.tensor([len(tokens) - 1], device=dev))
         return int(logits[0, -1].argmax())
 
     def propose(self, seq, k):
         text = seq.prompt + seq.tokens
-        n = min(k, self.guesses, max(seq.worth_guessing, 1), self.model.args.max_seq_len - len(text))
+        n = min(k, self.guesses, max(seq.expected_guesses, 1), self.model.args.max_seq_len - len(text))
         if n < 1:
             return []
         self.use_own_cache(len(seq.prompt) + seq.max_new + self.guesses)
