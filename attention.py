@@ -26,9 +26,14 @@ def attention_with_lse(q, k, v, scale, mask=None, causal=False):
         return out, lse[..., None]
     if q.device.type == "cuda" and q.dtype != torch.float64:
         return efficient_attention(q, k, v, scale, mask, causal)
-    keep = None if mask is None else mask == 0
+    return plain_attention_with_lse(q, k, v, scale, mask, causal)
+
+
+def plain_attention_with_lse(q, k, v, scale, mask=None, causal=False):
+    """attention_with_lse in plain math (float64 on a GPU): the same shapes."""
+    keep = None if mask is None else mask == 0  # (B, h, M, S) or broadcast to it
     if causal:
-        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()[None, None]  # (1, 1, M, S)
     out, lse = math_attention(q[:, :, None], k, v, scale, None if keep is None else keep[:, :, None])
     return out[:, :, 0], lse[:, :, 0]
 
@@ -80,8 +85,8 @@ def merge(a, b):
     return torch.lerp(out_b.to(wide), out_a.to(wide), torch.sigmoid(lse_a - lse_b))
 
 
-def step_masks(positions, committed, block, lo: int, hi: int, dtype, window=None, groups=1):
-    """What a call's tokens attend to in the layers of one kind (window: a sliding layer's
+def step_masks(positions, committed, mask, lo: int, hi: int, dtype, sliding_window=None, groups=1):
+    """What a call's tokens attend to in the layers of one kind (sliding_window: a sliding layer's
     width), as (own, prefix) for model.Attention: built once a forward, in the dtype the kernels
     read, shared by those layers.
 
@@ -90,26 +95,26 @@ def step_masks(positions, committed, block, lo: int, hi: int, dtype, window=None
     heads that share a K/V head, as Attention folds them into one query of groups * T rows (so
     that no layer copies K or V for its grouped heads). prefix: None, or (start, end, mask) over
     cache slots [start, end): one entry a row and slot (B, 1, 1, S), or none at all when every
-    row sees every slot read; a sliding layer's band (keys at q_pos - window < p <= q_pos) is
+    row sees every slot read; a sliding layer's band (keys at q_pos - sliding_window < p <= q_pos) is
     per token, a bool (B, 1, 1, T, S)."""
     B, T = positions.shape
     own = None  # causal
-    if block is not None or (window and T > window):
-        keep = torch.ones(B, T, T, dtype=torch.bool, device=positions.device).tril() if block is None else block
-        if window:
-            keep = keep & (positions[:, :, None] - positions[:, None, :] < window)
+    if mask is not None or (sliding_window and T > sliding_window):
+        keep = torch.ones(B, T, T, dtype=torch.bool, device=positions.device).tril() if mask is None else mask
+        if sliding_window:
+            keep = keep & (positions[:, :, None] - positions[:, None, :] < sliding_window)
         own = additive(keep.repeat(1, groups, 1), dtype)[:, None]  # (B, 1, groups * T, T)
     if committed is None or hi == 0:
         return own, None
     end = hi
-    if block is not None and T == 1 and lo == hi:  # one token a row, every row as long: its own
+    if mask is not None and T == 1 and lo == hi:  # one token a row, every row as long: its own
         own, end = False, hi + 1  # slot read with the committed ones, one fused call and no mask
         committed = committed + 1
-    start = max(0, lo - window + 1) if window else 0
+    start = max(0, lo - sliding_window + 1) if sliding_window else 0
     slot = torch.arange(start, end, device=positions.device)
     seen = slot < committed  # (B, S): each row's committed slots
-    if window:
-        band = seen[:, None, :] & (positions[:, :, None] - slot < window)  # (B, T, S)
+    if sliding_window:
+        band = seen[:, None, :] & (positions[:, :, None] - slot < sliding_window)  # (B, T, S)
         return own, (start, end, band[:, None, None])
     return own, (start, end, None if lo == hi else additive(seen, dtype)[:, None, None])  # (B, 1, 1, S)
 

@@ -167,6 +167,22 @@ def rope_scaling(rope: dict, cfg: dict, context: int, rotary_dim: int) -> dict |
     return out
 
 
+def check_whole(file: Path):
+    """A safetensors file is an 8-byte header length, a JSON header, then the tensors' bytes: one
+    cut short (a partial copy) is named here, in one line, before safetensors reads it."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        try:
+            header = json.loads(f.read(n)) if 0 <= n <= size - 8 else None
+        except ValueError:
+            header = None
+    ends = [v["data_offsets"][1] for k, v in (header or {}).items() if k != "__metadata__"]
+    if header is None or 8 + n + max(ends, default=0) > size:
+        raise ValueError(f"{file} is cut short or not a safetensors file ({size:,} bytes): copy it again")
+
+
 def read_weights(path, args, shapes: dict, device, dtype) -> dict:
     """The checkpoint's tensors as our state dict: `shapes` maps our names to their shapes;
     q/k/v and gate/up are stacked (fused_from). Names, shapes and completeness are checked."""
@@ -176,6 +192,7 @@ def read_weights(path, args, shapes: dict, device, dtype) -> dict:
             expected[part] = shape if rows is None else (rows, *shape[1:])
     loaded = {}
     for file in weight_files(Path(path)):
+        check_whole(file)
         with safe_open(file, framework="pt", device=str(device)) as f:
             for key in f.keys():
                 name = our_name(key, args)
