@@ -252,14 +252,18 @@ def transformers_peers(path, device, dtype, n_new, stop):
     return {"transformers greedy": run, "transformers PLD": lambda ids: run(ids, prompt_lookup_num_tokens=10)}
 
 
-def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, device):
+def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, device, on_answer=None):
     """Spec-Bench, turn by turn (a second turn follows the model's own greedy first answer), every
     decoder alternating with our greedy on each answer (their order rotating each repeat), median
     of --repeats; then per category and overall: tokens per step, speed-up over our greedy,
-    identity with it on every answer."""
+    identity with it on every answer. on_answer(names, answers) after each answer (bench.py
+    writes --json and --answers there, so an interrupted run keeps what it finished); a line a
+    answer on stderr says how far it is."""
     questions = spec_bench_questions(args.per_category)
+    total, start = sum(len(q["turns"]) for q in questions), time.perf_counter()
     peers = transformers_peers(path, device, model.dtype, args.max_new_tokens, tokenizer.stop_ids) if args.peers else {}
-    ours = [(c.name, c, False) for c in configs] + [(f"{c.name}+warm", c, True) for c in configs if args.warm]
+    ours = ([(c.name, c, False) for c in configs] if args.warm != "only" else []) + [
+        (f"{c.name}+warm", c, True) for c in configs if args.warm]
     names = ["greedy"] + [name for name, *_ in ours] + list(peers)
     memories = {name: Memory() for name, _, warm in ours if warm}  # what the answers so far left, per warm decoder
     runs = {name: (lambda ids, memory=None, c=c: lookahead(ids, c, memory=memory)) for name, c, _ in ours}
@@ -274,6 +278,7 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
             record = dict(question_id=q["question_id"], category=q["category"], turn=turn + 1, prompt_tokens=len(ids))
             seconds = {name: [] for name in names}
             after = {}  # each warm decoder's memory after its first repeat: the next answer's
+            snapshots = {}  # each warm decoder's memory before this answer, where repeats need it
             for r in range(args.repeats):
                 ref = timed(lambda: greedy(ids), device)
                 seconds["greedy"].append(ref.seconds)
@@ -281,7 +286,13 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
                     if name in peers:
                         tokens, steps, secs = peers[name](ids)
                     else:
-                        memory = copy.deepcopy(memories[name]) if name in memories else None
+                        # A warm decoder's repeats start from the same memory: the first from the
+                        # live one (no copy), later ones from a snapshot taken once per answer.
+                        memory = memories.get(name)
+                        if memory is not None and args.repeats > 1 and r == 0:
+                            snapshots[name] = copy.deepcopy(memory)
+                        elif memory is not None and r > 0:
+                            memory = copy.deepcopy(snapshots[name])
                         gen = timed(lambda: runs[name](ids, memory), device)
                         tokens, steps, secs = gen.tokens, gen.steps, gen.seconds
                         after.setdefault(name, memory)
@@ -295,8 +306,20 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
                 record[name]["seconds"] = statistics.median(seconds[name])
             memories.update(after)
             answers.append(record)
+            progress(answers, names, total, time.perf_counter() - start)
+            on_answer and on_answer(names, answers)
             messages.append({"role": "assistant", "content": record["greedy"]["text"]})
     return names, answers
+
+
+def progress(answers, names, total: int, seconds: float):
+    """One line on stderr: answers done, each decoder's tokens per step so far, time left."""
+    done = len(answers)
+    rates = ", ".join(f"{n} {sum(a[n]['tokens'] for a in answers) / max(sum(a[n]['steps'] for a in answers), 1):.2f}"
+                      for n in names[1:])
+    left = seconds / done * (total - done)
+    print(f"[{done}/{total}] {answers[-1]['category']}: tokens/step so far {rates}; "
+          f"{seconds / 60:.1f} min, about {left / 60:.1f} min left", file=sys.stderr, flush=True)
 
 
 def write_answers(folder, names, answers, model_id: str):
@@ -578,6 +601,37 @@ def timed(fn, device):
     return gen
 
 
+def load_curve(path) -> dict[int, float]:
+    """A step-cost curve, {"seconds": {"1": s, "2": s, ...}} (other keys say where it was
+    measured): seconds a step by step size; a ValueError names what is wrong with it."""
+    try:
+        seconds = json.loads(Path(path).read_text())["seconds"]
+        curve = {int(size): float(t) for size, t in seconds.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--costs {path}: not a step-cost curve ({type(e).__name__}: {e})") from None
+    if 1 not in curve or any(t <= 0 for t in curve.values()):
+        raise ValueError(f"--costs {path}: a curve needs a 1-token step and positive seconds")
+    return curve
+
+
+def projected_speedup(gens, greedy_steps: int, curve: dict[int, float]) -> float | None:
+    """Greedy's steps at the curve's 1-token cost over these steps at the curve's cost of each
+    one's size (host work not counted); None where a step's size is not on the curve."""
+    sizes = [shape.size if shape is not None else 1 for g in gens for shape in (g.shapes or [None] * g.steps)]
+    if any(size not in curve for size in sizes):
+        return None
+    return greedy_steps * curve[1] / sum(curve[size] for size in sizes)
+
+
+def print_projection(rows, results, greedy_steps: int, curve: dict[int, float], path):
+    print(f"\nunder the step-cost curve {path} (sizes {', '.join(map(str, sorted(curve)))}; host work not counted):")
+    for row in rows:
+        row["projected_speedup"] = projected_speedup([g for g, _ in results[row["config"]]], greedy_steps, curve)
+        x = row["projected_speedup"]
+        print(f"  {row['config']}: {row['tokens_per_step']:.2f} tokens/step, projected speed-up over greedy "
+              + (f"{x:.2f}x" if x is not None else "- (a step size off the curve)"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the tests' SmolLM2-135M-Instruct, "
@@ -588,6 +642,10 @@ def main(argv=None):
     ap.add_argument("--flat-cost", type=int, nargs="?", const=STEP_SIZES[-1], default=None, metavar="LARGEST",
                     help="the dynamic shape assumes every step size up to LARGEST (default 128) costs the same "
                          "(what it does where steps are free)")
+    ap.add_argument("--costs", default=None, metavar="FILE",
+                    help="the dynamic shape takes its step costs from a measured curve (a JSON file .ci/gpu writes, "
+                         '{"seconds": {"1": s, "2": s, ...}}) instead of the clock, and each configuration gets its '
+                         "projected speed-up over greedy under that curve")
     ap.add_argument("--sweep", action="store_true", help=f"run a grid of {len(SWEEP)} configurations")
     ap.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "chat": true}')
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -606,17 +664,26 @@ def main(argv=None):
                     help="summaries of documents of these lengths (default 500 2000 6000): prefill and decode apart")
     ap.add_argument("--max-seq-len", type=int, default=None, help="with --compile: the cache's slots (default 4096)")
     ap.add_argument("--per-category", type=int, default=2, metavar="K",
-                    help="with --dataset: the first K questions of each category (default 2)")
+                    help="with --dataset: the first K questions of each of its 13 categories, in the file's order "
+                         "(default 2); MT-Bench's 8 categories have two turns a question, so K=1 is 21 answers, K=2 42")
     ap.add_argument("--no-peers", dest="peers", action="store_false",
                     help="with --dataset or --long: leave out transformers (greedy, prompt lookup, prefill)")
-    ap.add_argument("--warm", action="store_true",
-                    help="with --dataset: each configuration again, with a memory kept across the questions in order")
+    ap.add_argument("--warm", nargs="?", const="also", choices=("also", "only"), default=None,
+                    help="with --dataset: each configuration again, with a memory kept across the questions in order "
+                         "(`--warm only`: with the memory alone)")
     ap.add_argument("--answers", default=None, metavar="DIR",
                     help="with --dataset: write one answer file per decoder in Spec-Bench's format (its speed.py reads them)")
     ap.add_argument("--plot", default=None, metavar="FILE.png", help="with --dataset: draw the table (needs matplotlib)")
     args = ap.parse_args(argv)
     if (args.warm or args.answers) and not args.dataset:
         ap.error("--warm and --answers go with --dataset spec-bench")
+    if args.costs:
+        if args.flat_cost or args.dataset or args.batch or args.long is not None:
+            ap.error("--costs goes with the built-in or --prompts runs, without --flat-cost")
+        try:
+            load_curve(args.costs)
+        except ValueError as e:
+            ap.error(str(e))
     if args.batch < 0 or args.batch == 1 or (args.batch and args.compile):
         ap.error("--batch takes B >= 2, and runs uncompiled (a compiled model decodes one sequence at a time)")
 
@@ -640,6 +707,10 @@ def main(argv=None):
     stop = tokenizer.stop_ids
     configs = [parse_config(c) for c in ["dynamic"] + SWEEP] if args.sweep else args.configs or [parse_config("dynamic")]
     costs = StepCosts.flat(args.flat_cost) if args.flat_cost else None
+    curve = None
+    if args.costs:
+        curve = load_curve(args.costs)
+        costs = StepCosts({size: t for size, t in curve.items() if size in STEP_SIZES})
     n_new = args.max_new_tokens
 
     def greedy(ids):
@@ -661,20 +732,21 @@ def main(argv=None):
     if args.long is not None:
         return bench_long(model, tokenizer, path, configs, greedy, lookahead, args, device)
     if args.dataset:
-        names, answers = bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, device)
+        def save(names, answers):  # after every answer: an interrupted run keeps what it finished
+            if args.json:
+                Path(args.json).write_text(json.dumps(dict(machine=machine(device), dtype=str(dtype), max_new_tokens=n_new,
+                                                           repeats=args.repeats, answers=answers), indent=1))
+            if args.answers:
+                write_answers(args.answers, names, answers, Path(path).name)
+        names, answers = bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, device, save)
         # The step cost curve beside the table, timed directly (the dynamic shape only measures the
         # sizes it runs): an eager step after the answers' median context, 1 to 16 tokens.
         context = int(statistics.median(a["prompt_tokens"] for a in answers)) + n_new // 2
         seconds = step_costs_at(model, context, sizes=STEP_SIZES[:5], repeats=9)
         step_costs = (context, {size: t / seconds[1] for size, t in seconds.items()})
         categories, summary = print_spec_bench(names, answers, args.markdown, step_costs)
-        if args.json:
-            Path(args.json).write_text(json.dumps(dict(machine=machine(device), dtype=str(dtype), max_new_tokens=n_new,
-                                                       repeats=args.repeats, answers=answers), indent=1))
         if args.plot:
             plot_spec_bench(args.plot, names, categories, summary)
-        if args.answers:
-            write_answers(args.answers, names, answers, Path(path).name)
         return 0 if all(a[n]["identical"] for a in answers for n in names) else 1
 
     # seconds[name][repeat] summed over prompts; greedy and each config alternate per prompt so
@@ -716,6 +788,8 @@ def main(argv=None):
                          identical=all(same for _, same in gens), sources=source_seconds([g for g, _ in gens])))
     labels = [f"{i + 1} {kind}" for i, kind in enumerate(kinds)]
     print_tables(rows, results, labels, args.markdown)
+    if curve:
+        print_projection(rows, results, base_steps, curve, args.costs)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(machine=machine(device), dtype=str(dtype), device=str(device),
                                                    max_new_tokens=n_new, repeats=args.repeats, rows=rows), indent=1))

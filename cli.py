@@ -6,6 +6,7 @@ prompt (optionally through the chat template), and streams lookahead's output, w
 --batch FILE decodes many prompts in one batch instead, and prints them in order.
 """
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from engine import generate, generate_batch
 from checkpoint import check_device_dtype
 from model import Transformer
 from recycling import TokenRecycling
+from suffix import SuffixSource
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EXPLAIN_SHAPE = "4,4,4"  # --explain's W,N,G unless given: a window small enough to read
@@ -31,26 +33,64 @@ COLOURS = {2: "36", 3: "32", 4: "33", 5: "35"}
 
 
 # The draft sources by name, each made per sequence (engine.generate's `drafts`); any other
-# source is FILE.py:ClassName, a DraftSource in the user's own file (load_source).
-DRAFTS = {"pool": lambda seq: seq.pool, "jacobi": lambda seq: JacobiGuess(), "recycling": lambda seq: TokenRecycling()}
+# source is FILE.py:ClassName, a DraftSource in the user's own file (load_source). Either takes
+# keyword arguments: suffix(depth=4), FILE.py:ClassName(k=2).
+DRAFTS = {"jacobi": JacobiGuess, "recycling": TokenRecycling, "suffix": SuffixSource}
 
 
 def drafts_from(names: str):
-    """'pool,recycling,jacobi,my_source.py:MySource' -> engine.generate's drafts (None: the
-    default, pool and jacobi). A source from a file is made per sequence as ClassName()."""
-    chosen = names.split(",")
+    """'pool,recycling,suffix(depth=4),my_source.py:MySource' -> engine.generate's drafts (None:
+    the default, pool and jacobi). Each source is made per sequence with its arguments; a bad
+    name or argument is a ValueError naming it."""
+    chosen = split_sources(names)
     if len(set(chosen)) < len(chosen) or not all(chosen):
         raise ValueError(f"--drafts takes distinct sources, not {names!r}")
     makers = []
-    for name in chosen:
+    for spec in chosen:
+        name, kwargs = source_arguments(spec)
+        if name == "pool":
+            if kwargs:
+                raise ValueError("--drafts: pool takes no arguments (its cap is the shape's)")
+            makers.append(lambda seq: seq.pool)
+            continue
         if name in DRAFTS:
-            makers.append(DRAFTS[name])
+            source = DRAFTS[name]
         elif ":" in name:
             source = load_source(name)
-            makers.append(lambda seq, source=source: source())
         else:
-            raise ValueError(f"--drafts: unknown source {name!r} (one of {', '.join(DRAFTS)}, or FILE.py:ClassName)")
+            raise ValueError(f"--drafts: unknown source {name!r} (one of pool, {', '.join(DRAFTS)}, or FILE.py:ClassName)")
+        try:
+            inspect.signature(source).bind(**kwargs)  # a bad argument fails before any work
+        except TypeError as e:
+            raise ValueError(f"--drafts: {spec}: {e}") from None
+        makers.append(lambda seq, source=source, kwargs=kwargs: source(**kwargs))
     return None if chosen == ["pool", "jacobi"] else lambda seq: [make(seq) for make in makers]
+
+
+def split_sources(names: str) -> list[str]:
+    """Split at the commas outside parentheses: 'a,b(x=1, y=2)' -> ['a', 'b(x=1, y=2)']."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(names):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            out.append(names[start:i].strip())
+            start = i + 1
+    return out + [names[start:].strip()]
+
+
+def source_arguments(spec: str) -> tuple[str, dict]:
+    """'name(k=1, s="x")' -> ('name', {'k': 1, 's': 'x'}): keyword arguments, Python literals."""
+    import ast
+    if not spec.endswith(")"):
+        return spec, {}
+    name, _, args = spec.partition("(")
+    try:
+        call = ast.parse(f"f({args}", mode="eval").body
+        if call.args:
+            raise ValueError("arguments are by keyword: name(key=value)")
+        return name, {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    except (SyntaxError, ValueError) as e:
+        raise ValueError(f"--drafts: {spec!r}: not keyword arguments of Python literals ({e})") from None
 
 
 def load_source(spec: str) -> type:
@@ -134,8 +174,8 @@ def parse_args(argv):
                     help="G (the paper's guess set size): candidates verified per step (default: the dynamic "
                          "shape, chosen per step)")
     ap.add_argument("--drafts", default=None,
-                    help=f"the draft sources, in order: {', '.join(DRAFTS)}, or FILE.py:ClassName, a DraftSource "
-                         "of your own (default pool,jacobi; recycling offers as much of its 80-guess tree as a step holds)")
+                    help=f"the draft sources, in order: pool, {', '.join(DRAFTS)}, or FILE.py:ClassName, a DraftSource "
+                         "of your own, each optionally with keyword arguments, e.g. suffix(depth=4) (default pool,jacobi)")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
     ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

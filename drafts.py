@@ -18,7 +18,8 @@ class DraftSource:
     only what the model itself says. A source is made per row (a prompt of the batch): by
     engine.generate(..., drafts=f), f(seq) -> the row's sources (default [seq.pool,
     JacobiGuess()]); from the command line, `--drafts pool,FILE.py:ClassName,jacobi` makes
-    ClassName() per row.
+    ClassName() per row, and `FILE.py:ClassName(depth=4, name="x")` passes it those keyword
+    arguments (Python literals).
 
     When each hook runs, for a row whose state is `seq`:
       - observe_prefill(seq, rankings), once after the prompt's forward, only where `rankings` > 0
@@ -33,9 +34,14 @@ class DraftSource:
         what it committed (step.committed). The prefill's first token comes the same way, as a
         step with no guesses: every committed token reaches observe exactly once, proposed or not.
 
+    Where a source learns: in observe, never in propose. The dynamic shape may skip a source's
+    propose on any step, so a source that learned there would miss those steps' tokens; observe
+    runs after every step, whether the source proposed or not (SuffixSource in suffix.py learns so).
+
     A source that learns from the model's output may keep it across requests: remember(memory)
-    runs first where the caller passed a Memory (below), and the source then reads and writes
-    the memory's tables instead of its own.
+    runs first where the caller passed a Memory (below), and the source then keeps what it
+    learns in memory.table(self.name), a bounded dict of its own, shared only by the callers who
+    pass the same Memory (no copy is made per request), instead of in its own attributes.
 
     What `seq` offers (read only): prompt and tokens (ids; tokens[-1] is `last`), max_new, N,
     pool (the row's NGramPool), and expected_guesses: the most guesses the policy expects the
@@ -128,12 +134,25 @@ class Memory:
     like it was decoded before with the same Memory, so callers who must not learn about each
     other's text must not share one.
 
-    Bounded: at most `keys` first tokens (pool) and `keys` contexts (recycling), the least
-    recently written dropped first; each key holds at most the pool's cap of n-grams."""
+    Bounded: at most `keys` first tokens (pool), `keys` contexts (recycling) and `keys` keys in
+    each other source's table (table(name)), the least recently written dropped first; each
+    key holds at most the pool's cap of n-grams (a source bounds what its own keys hold)."""
 
     def __init__(self, keys: int = 1 << 16):
+        self.keys = keys
         self.ngrams = Recent(keys)  # the pool's: first token -> {rest: [tokens before it, from window?]}
         self.rankings = Recent(keys)  # recycling's: token, or (token, token after it) -> the model's best after it
+        self.tables: dict[str, Recent] = {}  # any other source's, by its name (table)
+
+    def table(self, name: str) -> "Recent":
+        """The part of this memory that the source named `name` keeps (DraftSource.name): a dict
+        of at most `keys` keys, the least recently written dropped first, made on first use and
+        shared by every caller that passes this Memory. No copy is made: a request that writes it
+        changes what the next one reads."""
+        table = self.tables.get(name)
+        if table is None:
+            table = self.tables[name] = Recent(self.keys)
+        return table
 
 
 class Recent(OrderedDict):

@@ -85,12 +85,18 @@ class StepBuffer:
         [ tokens: T | positions: T | committed: 1 | read: T | moves from: S | moves to: S ]
 
     so the tensors a step reads are views made once per (B, T, S) and kept, the positions read
-    (R of T) and the moves (M of S) kept slices of them: a step makes no tensor on the host,
-    where each costs ~10-30 us right after a CPU's forward. A model keeps its buffer from one
-    request to the next (step_buffer), so the views a request needs were mostly made before."""
+    (R of T) and the moves (M of S) kept slices of them: a step makes no tensor on the host. A
+    model keeps its buffer from one request to the next (step_buffer), so the views a request
+    needs were mostly made before.
+
+    On a GPU the host buffer is page-locked (pinned) and the copy asynchronous: a greedy step's
+    one sync is reading its predictions. The host buffer is written again only by the next step,
+    after those predictions were read, so the copy has finished by then."""
 
     def __init__(self, device: torch.device):
-        self.device, self.host, self.layouts, self.read_slices, self.move_slices = device, bytearray(), {}, {}, {}
+        self.device, self.layouts, self.read_slices, self.move_slices = device, {}, {}, {}
+        self.pinned = device.type == "cuda"
+        self.host, self.pinned_host = bytearray(), None  # pinned_host: the pinned tensor under `host`
 
     def masks(self, B: int, T: int) -> list[memoryview]:
         """Where each row's mask goes (row_inputs writes it)."""
@@ -100,7 +106,13 @@ class StepBuffer:
 
     def room(self, end: int):
         if end > len(self.host):  # a larger step than any before: a new buffer (what it holds kept), new views
-            self.host = bytearray(self.host) + bytearray(2 * end - len(self.host))
+            old, n = self.host, 2 * end
+            if self.pinned:
+                self.pinned_host = torch.zeros(n, dtype=torch.uint8, pin_memory=True)
+                self.host = memoryview(self.pinned_host.numpy())
+            else:
+                self.host = bytearray(n)
+            self.host[:len(old)] = old
             self.layouts, self.read_slices, self.move_slices = {}, {}, {}
 
     def load(self, ints: array, B: int, T: int, S: int, R: int, M: int) -> tuple:
@@ -115,7 +127,7 @@ class StepBuffer:
             layout = self.layouts[B, T, S] = self.views(B, T, S, start, end)
         copy, (tokens, positions, C, reads, moves, mask) = layout
         if copy is not None:
-            copy[0].copy_(copy[1])  # the step's one host-to-device copy
+            copy[0].copy_(copy[1], non_blocking=True)  # the step's one host-to-device copy: no sync
         read = self.read_slices.get((B, T, S, R))  # each kept apart: R changes most steps, M seldom
         if read is None:
             read = self.read_slices[B, T, S, R] = reads[:, :R]
@@ -132,7 +144,8 @@ class StepBuffer:
     def views(self, B: int, T: int, S: int, start: int, end: int):
         """A layout's tensors, over the host buffer itself on the CPU; elsewhere over a device
         buffer of its own, with the (device, host) pair that load copies between."""
-        data = source = torch.frombuffer(self.host, dtype=torch.uint8, count=end)
+        data = source = (self.pinned_host[:end] if self.pinned_host is not None
+                         else torch.frombuffer(self.host, dtype=torch.uint8, count=end))
         copy = None
         if self.device.type != "cpu":
             data = torch.empty(end, dtype=torch.uint8, device=self.device)

@@ -23,6 +23,8 @@ from cli import main
 import decoding
 from decoding import Sampling, greedy_decode, greedy_decode_batch, rope_switch, sample_decode
 from recycling import TEMPLATE, TokenRecycling
+from suffix import SuffixSource
+from drafts import Memory
 from explain import explain_step
 import engine
 import lookahead
@@ -357,6 +359,61 @@ def test_token_recycling_is_exact_in_both_shapes(seed, vocab, N, max_new, family
 
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**16), vocab=st.integers(8, 24), N=st.integers(2, 6), max_new=st.integers(1, 40),
+       family=st.sampled_from(list(FAMILY_OPTIONS)), data=st.data())
+def test_the_suffix_source_is_exact_in_both_shapes(seed, vocab, N, max_new, family, data):
+    model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=128, **FAMILY_OPTIONS[family])
+    motif = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8))
+    prompt = (motif * 6)[:data.draw(st.integers(1, 30))]
+    _, shape = draw_shape(data, 6)
+    options = dict(longest=data.draw(st.integers(1, 8)), branches=data.draw(st.integers(1, 4)),
+                   depth=data.draw(st.integers(1, 10)))
+    drafts = data.draw(st.sampled_from([lambda seq: [seq.pool, SuffixSource(**options), JacobiGuess()],
+                                        lambda seq: [SuffixSource(**options)]]))
+    got = generate(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
+    assert got.tokens == greedy_decode(model, prompt, max_new).tokens
+
+
+def test_the_suffix_source_continues_the_longest_suffix_seen_before():
+    # Text 5 1 2 3 4 6 1 2 | 3: "1 2 3" (3 tokens) occurred before, followed by 4, then 6 1 2:
+    # one guess deeper than the match is long. "2 3" and "3" alone would offer the same 4 here;
+    # a second branch comes from the match's other continuations (none yet).
+    seq = SimpleNamespace(prompt=[5, 1, 2, 3, 4, 6, 1, 2], tokens=[3])
+    source = SuffixSource(longest=4, branches=2, depth=8)
+    source.observe(seq, None)
+    assert [(c.tokens, c.source) for c in source.propose(seq, 10)] == [((4, 6, 1, 2), "suffix3")]
+    assert source.propose(seq, 2)[0].tokens == (4, 6)  # never past k
+    # Continuations by count, then recency: a tie goes to the latest, a count beats recency.
+    for text, want in (([1, 2, 3, 4, 1, 2, 3, 7, 1, 2], [7, 4]), ([1, 2, 3, 7, 1, 2, 3, 7, 1, 2, 3, 4, 1, 2], [7, 4]),
+                       ([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3, 4, 1, 2], [4, 7])):
+        seq = SimpleNamespace(prompt=text, tokens=[3])
+        source = SuffixSource(longest=3, branches=2)  # the match: "1 2 3"
+        source.observe(seq, None)
+        assert [c.tokens[0] for c in source.propose(seq, 10)] == want, text
+    assert SuffixSource().propose(SimpleNamespace(prompt=[9], tokens=[8]), 4) == []  # nothing seen: nothing
+
+
+def test_a_suffix_sources_memory_is_shared_only_when_asked_and_changes_no_output():
+    # Two requests that pass one Memory share the suffix index (the second finds the first's
+    # text and takes fewer steps); a third with none starts empty (as many steps as the first).
+    model = random_model(seed=5, vocab_size=24)
+    prompt = [int(t) for t in torch.randint(0, 24, (10,), generator=torch.Generator().manual_seed(5))]
+    want = greedy_decode(model, prompt, 40).tokens
+    drafts = lambda seq: [seq.pool, SuffixSource(), JacobiGuess()]
+    memory = Memory()
+    first = generate(model, prompt, 40, drafts=drafts, costs=StepCosts.flat(), memory=memory)
+    table = memory.table("SuffixSource")
+    assert len(table) > 0 and memory.table("SuffixSource") is table  # its own part, by its name
+    second = generate(model, prompt, 40, drafts=drafts, costs=StepCosts.flat(), memory=memory)
+    third = generate(model, prompt, 40, drafts=drafts, costs=StepCosts.flat())
+    assert first.tokens == second.tokens == third.tokens == want
+    assert second.steps < first.steps == third.steps, (first.steps, second.steps, third.steps)
+    small = Memory(keys=5)
+    generate(model, prompt, 40, drafts=drafts, costs=StepCosts.flat(), memory=small)
+    assert len(small.table("SuffixSource")) == 5  # bounded
+
+
 def test_recycling_offers_what_a_step_can_hold():
     # Where steps hold 4 tokens, token recycling reads the rankings and offers the best 3 guesses
     # of its tree; where steps are free, the whole tree.
@@ -666,7 +723,8 @@ class HostWork(TorchFunctionMode):
         name, kwargs = getattr(func, "__name__", ""), kwargs or {}
         sent = name in ("to", "cuda") and any(isinstance(a, (str, torch.device)) for a in (*args[1:], kwargs.get("device")))
         sent = sent and not (name == "to" and args[0].device == torch.device(args[1] if len(args) > 1 else kwargs["device"]))
-        sent = sent or name == "copy_" and args[0].device != args[1].device
+        # A copy to the device waits for it unless asynchronous (from pinned memory: StepBuffer's on CUDA)
+        sent = sent or name == "copy_" and args[0].device != args[1].device and not kwargs.get("non_blocking")
         if name in self.READS or sent or (name == "tensor" and kwargs.get("device") is not None):
             self.syncs[-1] += 1
         return func(*args, **kwargs)
@@ -701,11 +759,12 @@ class HostWork(TorchFunctionMode):
         return counted
 
 
-def test_a_greedy_step_syncs_once_and_a_lookahead_step_once_after_its_one_copy():
-    # On a GPU every read of a device tensor on the host, and every host tensor sent, waits for
-    # the device. A greedy step reads its tokens (one sync); a lookahead step reads its
-    # predictions, and sends its inputs in one packed copy (the step before's roll back among
-    # them), which the CPU skips (the next test sends them to a device).
+def test_a_greedy_step_syncs_once_and_so_does_a_lookahead_step():
+    # On a GPU every read of a device tensor on the host, and every host tensor sent blocking,
+    # waits for the device. A greedy step reads its tokens (one sync); a lookahead step reads its
+    # predictions (one sync), and sends its inputs in one packed asynchronous copy from pinned
+    # memory (the step before's roll back among them), which the CPU skips (the next test sends
+    # them to a device; .ci/gpu counts a real GPU's syncs).
     model = random_model(seed=7, vocab_size=8)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     greedy = []
@@ -727,8 +786,10 @@ def test_a_greedy_step_syncs_once_and_a_lookahead_step_once_after_its_one_copy()
 
 def test_a_steps_inputs_reach_a_device_in_one_copy_as_the_cpus_views():
     # Two rows, one with a roll back to send: on a device (meta: shapes and dtypes, no data) the
-    # inputs are one copy, viewed as the same tensors the CPU reads straight from its buffer. A
-    # step of a layout seen before makes no tensor at all: the CPU runs no op, a device one copy.
+    # inputs are one asynchronous copy (from pinned memory on CUDA), viewed as the same tensors
+    # the CPU reads straight from its buffer. A step of a layout seen before makes no tensor at
+    # all: the CPU runs no op, a device one copy.
+    assert step_inputs.StepBuffer(torch.device("cuda")).pinned and not step_inputs.StepBuffer(torch.device("cpu")).pinned
     from step_inputs import pack_inputs
     parts = [([5, 6, 7, 0], [0, 1, 2, 0], bytes(range(16)), [0, 1, 2]), ([8, 9, 0, 0], [0, 1, 0, 0], bytes(16), [0, 1])]
     inputs, again = {}, {}
@@ -744,7 +805,7 @@ def test_a_steps_inputs_reach_a_device_in_one_copy_as_the_cpus_views():
                 counter.syncs.append(0)
                 counter.outside.append(Counter())
                 out[device] = pack_inputs(model, rows, parts, 4, buffer)
-            assert counter.syncs == [device != "cpu"] and rows[0].moves == []
+            assert counter.syncs == [0] and rows[0].moves == []  # the copy is asynchronous: no sync
         assert dict(counter.outside[0]) == ({} if device == "cpu" else {"copy_": 1}), counter.outside
     tokens, positions, C, block, committed_range, read, moves = inputs["cpu"]  # the first step's views: the second's values
     assert tokens.tolist() == [[5, 6, 7, 0], [8, 9, 0, 0]] and positions.tolist() == [[30, 31, 32, 30], [60, 61, 60, 60]]
@@ -1365,6 +1426,23 @@ def test_a_source_in_the_users_own_file_runs_from_the_command_line(tiny_checkpoi
     assert "draft sources PoolSource, PromptLookup, JacobiGuess" in err and "identical to greedy: yes" in err
 
 
+def test_a_source_takes_arguments_from_the_command_line_and_from_bench(tiny_checkpoint, tmp_path, capsys):
+    lookup = Path(__file__).resolve().parent / "examples" / "prompt_lookup.py"
+    code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8 w9 w7",
+                             "--max-new-tokens", "20", "--drafts", f"pool,suffix(depth=3, branches=2),{lookup}:PromptLookup",
+                             "--compare")
+    assert code == 0 and "identical to greedy: yes" in err, err
+    assert "draft sources PoolSource, SuffixSource, PromptLookup" in err
+    import cli
+    made = cli.drafts_from("suffix(longest=5, depth=2),jacobi")(SimpleNamespace(pool=None))
+    assert (made[0].longest, made[0].depth, made[0].branches) == (5, 2, 3) and isinstance(made[1], JacobiGuess)
+    import bench
+    config = bench.parse_config("dynamic:pool,suffix(depth=4),jacobi")
+    assert dict(config.options)["drafts"](SimpleNamespace(pool="P"))[1].depth == 4
+    with pytest.raises(Exception, match="deep"):
+        bench.parse_config("dynamic:pool,suffix(deep=4)")
+
+
 def test_cli_sampling(tiny_checkpoint, capsys):
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w7 w8", "--max-new-tokens", "10",
                              "--temperature", "0.8", "--top-p", "0.9", "--seed", "1", "--compare")
@@ -1377,7 +1455,8 @@ def test_cli_sampling(tiny_checkpoint, capsys):
     "window", "ngram", "candidates", "max_new_tokens", "window_alone", "cuda", "dtype", "prompt_file", "top_p", "no_template",
     "batch_bad_json", "batch_empty", "batch_and_prompt", "batch_explain", "batch_compile", "batch_long_prompt", "drafts",
     "drafts_no_file", "drafts_no_class", "drafts_not_a_source",
-    "max_seq_len_alone", "explain_drafts", "explain_sampling", "cut_short",
+    "max_seq_len_alone", "explain_drafts", "explain_sampling", "cut_short", "source_bad_argument",
+    "source_positional_argument", "source_not_literal", "pool_argument",
 ])
 def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsys, case):
     ckpt = str(tiny_checkpoint)
@@ -1426,6 +1505,9 @@ def test_cli_mistakes_get_one_line_and_status_2(tiny_checkpoint, tmp_path, capsy
                               "drafts_not_a_source": f"{tmp_path}/mine.py:Other"}[case]]
     elif case == "max_seq_len_alone":
         argv += ["--max-seq-len", "128"]
+    elif case.startswith("source_") or case == "pool_argument":
+        argv += ["--drafts", {"source_bad_argument": "pool,suffix(deep=3)", "source_positional_argument": "suffix(3)",
+                              "source_not_literal": "suffix(depth=os.sep)", "pool_argument": "pool(cap=3)"}[case]]
     elif case.startswith("explain_"):  # --explain runs lookahead.py: greedy, the pool alone
         argv += ["--explain", "2"] + (["--drafts", "pool"] if case == "explain_drafts" else ["--temperature", "0.7"])
     elif case == "no_template":
@@ -1527,6 +1609,33 @@ def test_bench_measures_and_checks_identity(tiny_checkpoint, tmp_path, capsys):
     assert "threads, torch" in table and "same as greedy" in table and table.count("yes") == 3
 
 
+def test_bench_projects_the_speed_up_under_a_measured_step_cost_curve(tiny_checkpoint, tmp_path, capsys):
+    # A synthetic curve (no measured one ships): flat to 64 tokens, then linear. The dynamic shape
+    # plans with it instead of the clock; every answer stays greedy's, and each configuration's
+    # projection is greedy's steps at the 1-token cost over its steps at their sizes' costs.
+    import bench
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"model": "synthetic", "seconds": {"1": 0.01, "2": 0.01, "4": 0.01, "8": 0.01, "16": 0.01,
+                                                                    "32": 0.01, "64": 0.01, "128": 0.02, "256": 0.04}}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w7 w8 w9 w7 w8 w9 w7 w8", "chat": false}\n')
+    out = tmp_path / "bench.json"
+    code = bench.main(["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--costs", str(curve), "--configs",
+                       "dynamic", "3,3,3", "--max-new-tokens", "24", "--repeats", "1", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    greedy, dynamic, fixed = json.loads(out.read_text())["rows"]
+    assert dynamic["identical"] and fixed["identical"] and greedy["projected_speedup"] == pytest.approx(1.0)
+    assert fixed["projected_speedup"] == pytest.approx(greedy["steps"] / fixed["steps"])  # 16-token steps: flat
+    assert dynamic["tokens_per_step"] > 1 and dynamic["projected_speedup"] > 1, dynamic
+    assert "projected speed-up over greedy" in text
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"seconds": {"2": 1.0}}')
+    with pytest.raises(SystemExit):
+        bench.main(["--costs", str(bad)])
+    assert "a curve needs a 1-token step" in capsys.readouterr().err
+
+
 def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
     """Spec-Bench's 13 categories, a second MT-Bench turn after the first answer, every answer
     checked against our greedy, transformers' greedy and prompt lookup beside ours."""
@@ -1566,6 +1675,31 @@ def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
             assert choice["new_tokens"] == [a[name]["tokens"] for a in turns]
             assert choice["wall_time"] == [a[name]["seconds"] for a in turns]
             assert sum(choice["accept_lengths"]) == sum(a[name]["tokens"] - 1 for a in turns)  # the first: the prefill's
+
+
+def test_bench_killed_halfway_keeps_the_answers_it_finished(tmp_path, capsys, monkeypatch):
+    # Spec-Bench writes --json and --answers after every answer, with a line of progress each: a
+    # run stopped at its fourth answer leaves the three it finished.
+    import bench
+    folder = write_tokenizer(write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=4096)))
+    real, calls = bench.greedy_decode, []
+
+    def greedy_then_stop(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2 + 3:  # 2 warm-ups, then one greedy run an answer
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bench, "greedy_decode", greedy_then_stop)
+    out, answers = tmp_path / "spec.json", tmp_path / "answers"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--model", str(folder), "--dataset", "spec-bench", "--per-category", "1", "--max-new-tokens", "4",
+                    "--repeats", "1", "--configs", "dynamic", "--no-peers", "--json", str(out), "--answers", str(answers)])
+    kept = json.loads(out.read_text())["answers"]
+    assert len(kept) == 3 and all(a["dynamic"]["identical"] for a in kept)
+    lines = (answers / "tiny-dynamic.jsonl").read_text().splitlines()
+    assert sum(len(json.loads(line)["choices"][0]["turns"]) for line in lines) == 3
+    err = capsys.readouterr().err
+    assert "[3/21]" in err and "min left" in err and "[4/21]" not in err
 
 
 def test_bench_reports_a_wrong_decoder(tiny_checkpoint, tmp_path, capsys, monkeypatch):

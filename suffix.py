@@ -1,0 +1,99 @@
+"""A suffix source, after SuffixDecoding (Oliaro et al., 2024, arXiv 2411.04975): find the longest
+suffix of the text that occurred before, and guess what followed it there.
+
+    text so far   ... the hash table stores keys . A hash table maps | keys
+    index         ("hash", "table") -> {"stores": 1, "maps": 1}, ("table",) -> {...}, ...
+    last two      "hash table" occurred before: its continuations, ranked, are the guesses
+
+Every context of 1 to `longest` tokens that ends before a token of the text maps to the tokens
+seen right after it, each with its count and when it was last seen. A step's guesses: the
+longest context ending in `last` that was seen before, then its `branches` best continuations
+(by count, then recency), each extended by the same rule one token at a time (the longest
+context ending in the chain so far), as deep as the match is long plus one, at most `depth`: a
+long match is likelier to go on. Their labels say the match length (suffix1 .. suffix4, 4 for 4
+or more), so the dynamic shape learns each one's chance apart.
+
+The index holds the prompt and every committed token (observe: O(new tokens x longest) a step).
+With a Memory it lives in the memory's table for this source, so later requests find what
+earlier ones said (SuffixDecoding's global tree); without, each row keeps its own.
+"""
+from drafts import DraftSource
+from lookahead import Candidate
+
+MOST_AFTER = 8  # continuations kept per context: the least counted goes first
+
+
+class SuffixSource(DraftSource):
+    def __init__(self, longest: int = 8, branches: int = 3, depth: int = 8):
+        if longest < 1 or branches < 1 or depth < 1:
+            raise ValueError(f"SuffixSource needs longest, branches and depth >= 1 (got {longest}, {branches}, {depth})")
+        self.longest, self.branches, self.depth = longest, branches, depth
+        self.index: dict = {}  # context tuple -> {next token: [count, clock when last seen]}
+        self.clock = 0  # tokens indexed so far (recency)
+        self.indexed = None  # this row's tokens indexed so far (None: not even its prompt)
+
+    def remember(self, memory):
+        self.index = memory.table(self.name)  # shared with the requests that pass the same Memory
+
+    def observe(self, seq, step):
+        """Index what the step committed (the prompt too, the first time)."""
+        if self.indexed is None:
+            text, new = seq.prompt + seq.tokens, len(seq.prompt) + len(seq.tokens) - 1
+        else:
+            new = len(seq.tokens) - self.indexed
+            k = new + self.longest
+            text = seq.tokens[-k:] if len(seq.tokens) >= k else seq.prompt[len(seq.tokens) - k:] + seq.tokens
+        self.indexed = len(seq.tokens)
+        self.add(text, new)
+
+    def add(self, text, new: int):
+        """Index each of the last `new` tokens of `text` after every context ending before it."""
+        index, longest = self.index, self.longest
+        for i in range(len(text) - new, len(text)):
+            token = text[i]
+            self.clock += 1
+            for d in range(1, min(longest, i) + 1):
+                key = tuple(text[i - d:i])
+                after = index.get(key)
+                if after is None:
+                    after = {}
+                index[key] = after  # written again: a shared table keeps the recently written
+                seen = after.get(token)
+                if seen is None:
+                    if len(after) >= MOST_AFTER:
+                        del after[min(after, key=lambda t: after[t])]
+                    after[token] = [1, self.clock]
+                else:
+                    seen[0] += 1
+                    seen[1] = self.clock
+
+    def match(self, context: list, most: int):
+        """The longest suffix of `context` (at most `most` tokens) seen before: (its length, what
+        followed it), or (0, None)."""
+        for d in range(min(most, len(context)), 0, -1):
+            after = self.index.get(tuple(context[-d:]))
+            if after:
+                return d, after
+        return 0, None
+
+    def propose(self, seq, k):
+        context = seq.tokens[-self.longest:]
+        if len(context) < self.longest:
+            context = seq.prompt[len(context) - self.longest:] + context
+        length, after = self.match(context, self.longest)
+        if not length:
+            return []
+        depth = min(k, self.depth, length + 1)
+        ranked = sorted(after, key=lambda t: after[t], reverse=True)[:self.branches]  # by count, then recency
+        out = []
+        for first in ranked:
+            chain, ctx, d = [first], context + [first], length
+            while len(chain) < depth:
+                d, next_after = self.match(ctx, min(self.longest, d + 1))
+                if not d:
+                    break
+                token = max(next_after, key=lambda t: next_after[t])
+                chain.append(token)
+                ctx.append(token)
+            out.append(Candidate(tuple(chain), f"suffix{min(length, 4)}"))
+        return out
