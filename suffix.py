@@ -9,8 +9,8 @@ Every context of 1 to `longest` tokens that ends before a token of the text maps
 seen right after it, each with its count and when it was last seen. A step's guesses: the
 longest context ending in `last` that was seen before, then its `branches` best continuations
 (by count, then recency), each extended by the same rule one token at a time (the longest
-context ending in the chain so far), as deep as the match is long plus one, at most `depth`: a
-long match is likelier to go on. Their labels say the match length (suffix1 .. suffix4, 4 for 4
+context ending in the chain so far), up to twice as deep as the match is long plus two, at most
+`depth`: a long match is likelier to go on. Their labels say the match length (suffix1 .. suffix4, 4 for 4
 or more), so the dynamic shape learns each one's chance apart.
 
 The index holds the prompt and every committed token (observe: O(new tokens x longest) a step).
@@ -24,7 +24,7 @@ MOST_AFTER = 8  # continuations kept per context: the least counted goes first
 
 
 class SuffixSource(DraftSource):
-    def __init__(self, longest: int = 8, branches: int = 3, depth: int = 8):
+    def __init__(self, longest: int = 16, branches: int = 3, depth: int = 16):
         if longest < 1 or branches < 1 or depth < 1:
             raise ValueError(f"SuffixSource needs longest, branches and depth >= 1 (got {longest}, {branches}, {depth})")
         self.longest, self.branches, self.depth = longest, branches, depth
@@ -83,7 +83,7 @@ class SuffixSource(DraftSource):
         length, after = self.match(context, self.longest)
         if not length:
             return []
-        depth = min(k, self.depth, length + 1)
+        depth = min(k, self.depth, 2 * length + 2)
         ranked = sorted(after, key=lambda t: after[t], reverse=True)[:self.branches]  # by count, then recency
         out = []
         for first in ranked:

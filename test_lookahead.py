@@ -376,13 +376,16 @@ def test_the_suffix_source_is_exact_in_both_shapes(seed, vocab, N, max_new, fami
 
 
 def test_the_suffix_source_continues_the_longest_suffix_seen_before():
-    # Text 5 1 2 3 4 6 1 2 | 3: "1 2 3" (3 tokens) occurred before, followed by 4, then 6 1 2:
-    # one guess deeper than the match is long. "2 3" and "3" alone would offer the same 4 here;
-    # a second branch comes from the match's other continuations (none yet).
+    # Text 5 1 2 3 4 6 1 2 | 3: "1 2 3" (3 tokens) occurred before, followed by 4, then 6 1 2 (each
+    # the longest context's continuation), as deep as `depth` allows here; a second branch comes
+    # from the match's other continuations (none yet).
     seq = SimpleNamespace(prompt=[5, 1, 2, 3, 4, 6, 1, 2], tokens=[3])
-    source = SuffixSource(longest=4, branches=2, depth=8)
+    source = SuffixSource(longest=4, branches=2, depth=4)
     source.observe(seq, None)
     assert [(c.tokens, c.source) for c in source.propose(seq, 10)] == [((4, 6, 1, 2), "suffix3")]
+    short = SuffixSource(longest=1, depth=16)  # a 1-token match ("3") goes 2 * 1 + 2 = 4 deep
+    short.observe(seq, None)
+    assert short.propose(seq, 10)[0].tokens == (4, 6, 1, 2)
     assert source.propose(seq, 2)[0].tokens == (4, 6)  # never past k
     # Continuations by count, then recency: a tie goes to the latest, a count beats recency.
     for text, want in (([1, 2, 3, 4, 1, 2, 3, 7, 1, 2], [7, 4]), ([1, 2, 3, 7, 1, 2, 3, 7, 1, 2, 3, 4, 1, 2], [7, 4]),
@@ -400,17 +403,18 @@ def test_a_suffix_sources_memory_is_shared_only_when_asked_and_changes_no_output
     model = random_model(seed=5, vocab_size=24)
     prompt = [int(t) for t in torch.randint(0, 24, (10,), generator=torch.Generator().manual_seed(5))]
     want = greedy_decode(model, prompt, 40).tokens
-    drafts = lambda seq: [seq.pool, SuffixSource(), JacobiGuess()]
+    drafts = lambda seq: [SuffixSource()]  # alone: what the second request gains is the suffix index's
+    shape = dict(window=0, ngram=5, candidates=1)  # every source asked every step: no timing in it
     memory = Memory()
-    first = generate(model, prompt, 40, drafts=drafts, costs=StepCosts.flat(), memory=memory)
+    first = generate(model, prompt, 40, drafts=drafts, **shape, memory=memory)
     table = memory.table("SuffixSource")
     assert len(table) > 0 and memory.table("SuffixSource") is table  # its own part, by its name
-    second = generate(model, prompt, 40, drafts=drafts, costs=StepCosts.flat(), memory=memory)
-    third = generate(model, prompt, 40, drafts=drafts, costs=StepCosts.flat())
+    second = generate(model, prompt, 40, drafts=drafts, **shape, memory=memory)
+    third = generate(model, prompt, 40, drafts=drafts, **shape)
     assert first.tokens == second.tokens == third.tokens == want
     assert second.steps < first.steps == third.steps, (first.steps, second.steps, third.steps)
     small = Memory(keys=5)
-    generate(model, prompt, 40, drafts=drafts, costs=StepCosts.flat(), memory=small)
+    generate(model, prompt, 40, drafts=drafts, **shape, memory=small)
     assert len(small.table("SuffixSource")) == 5  # bounded
 
 
