@@ -10,8 +10,9 @@ seen right after it, each with its count and when it was last seen. A step's gue
 longest context ending in `last` that was seen before, then its `branches` best continuations
 (by count, then recency), each extended by the same rule one token at a time (the longest
 context ending in the chain so far), up to twice as deep as the match is long plus two, at most
-`depth`: a long match is likelier to go on. Their labels say the match length (suffix1 .. suffix4, 4 for 4
-or more), so the dynamic shape learns each one's chance apart.
+`depth`: a long match is likelier to go on. Along the best chain each token's runner-up is
+offered too, after the chains: the guesses form a tree. Their labels say the match length
+(suffix1 .. suffix4, 4 for 4 or more), so the dynamic shape learns each one's chance apart.
 
 The index holds the prompt and every committed token (observe: O(new tokens x longest) a step).
 With a Memory it lives in the memory's table for this source, so later requests find what
@@ -85,15 +86,17 @@ class SuffixSource(DraftSource):
             return []
         depth = min(k, self.depth, 2 * length + 2)
         ranked = sorted(after, key=lambda t: after[t], reverse=True)[:self.branches]  # by count, then recency
-        out = []
-        for first in ranked:
+        out, label, forks = [], f"suffix{min(length, 4)}", []
+        for rank, first in enumerate(ranked):
             chain, ctx, d = [first], context + [first], length
             while len(chain) < depth:
                 d, next_after = self.match(ctx, min(self.longest, d + 1))
                 if not d:
                     break
-                token = max(next_after, key=lambda t: next_after[t])
-                chain.append(token)
-                ctx.append(token)
-            out.append(Candidate(tuple(chain), f"suffix{min(length, 4)}"))
-        return out
+                best = sorted(next_after, key=lambda t: next_after[t], reverse=True)[:2]
+                if rank == 0 and len(best) > 1:  # the best chain's runners-up: a tree, not one line
+                    forks.append(tuple(chain) + (best[1],))
+                chain.append(best[0])
+                ctx.append(best[0])
+            out.append(Candidate(tuple(chain), label))
+        return out + [Candidate(fork, label) for fork in forks]

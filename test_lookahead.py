@@ -393,7 +393,12 @@ def test_the_suffix_source_continues_the_longest_suffix_seen_before():
         seq = SimpleNamespace(prompt=text, tokens=[3])
         source = SuffixSource(longest=3, branches=2)  # the match: "1 2 3"
         source.observe(seq, None)
-        assert [c.tokens[0] for c in source.propose(seq, 10)] == want, text
+        assert [c.tokens[0] for c in source.propose(seq, 10)][:2] == want, text  # the chains, then forks
+    # Along the best chain each runner-up is a fork: after 7 1 2 3 comes 4 or 7 again.
+    seq = SimpleNamespace(prompt=[1, 2, 3, 4, 1, 2, 3, 7, 1, 2], tokens=[3])
+    source = SuffixSource(longest=3, branches=1, depth=6)
+    source.observe(seq, None)
+    assert [c.tokens for c in source.propose(seq, 10)] == [(7, 1, 2, 3, 7, 1), (7, 1, 2, 3, 4)]
     assert SuffixSource().propose(SimpleNamespace(prompt=[9], tokens=[8]), 4) == []  # nothing seen: nothing
 
 
