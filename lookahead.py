@@ -336,10 +336,11 @@ def lookahead_decode(model, prompt_ids, max_new_tokens, *, window, ngram, candid
                    committed_range=(0, 0), prompt_end=len(prompt) - 1, read=torch.tensor([len(prompt) - 1], device=dev))
     s = State(prompt, [], len(prompt), [], NGramPool(max(G, 8) if G else 0), random.Random(0))
     s.pool.add_text(prompt, len(prompt), N)  # answers copy their prompt
-    commit(prompt, s.tokens, logits[0, -1:].argmax(-1).tolist(), max_new, set(stop_ids), s.pool, N)
+    stop = set(stop_ids)
+    commit(prompt, s.tokens, logits[0, -1:].argmax(-1).tolist(), max_new, stop, s.pool, N)
     out = Generation(s.tokens, 0, 0.0, prefill_seconds=time.perf_counter() - start)
-    while len(s.tokens) < max_new and s.tokens[-1] not in stop_ids:
-        step = lookahead_step(model, s, W, N, G, max_new, set(stop_ids))
+    while len(s.tokens) < max_new and s.tokens[-1] not in stop:
+        step = lookahead_step(model, s, W, N, G, max_new, stop)
         out.steps += 1
         out.committed.append(len(step.committed))
         on_step and on_step(step)
