@@ -269,8 +269,9 @@ STEP_COSTS = weakref.WeakKeyDictionary()
 class Acceptance:
     """How often a guess was right when its parent was, in this request, per (source label,
     depth, rank among that label's guesses under the same parent): the probability a dynamic
-    step gives each guess. Starts from the prior its candidate states (Candidate.prior, worth two
-    observations), halved for each elder sibling of the same label. A guess that several sources
+    step gives each guess. Starts from the prior its candidate states (Candidate.prior for its
+    first guess, prior_next for the later ones, worth two observations), halved for each elder
+    sibling of the same label. A guess that several sources
     proposed is credited to each of them, and worth the best of their estimates: the order in
     which the sources are listed changes nothing learned."""
 
@@ -309,6 +310,7 @@ def labelled(tree, parents=None):
     seen, siblings, children, depth = set(), {}, tree.children, tree.depth
     for candidate in tree.candidates:
         v, label, prior = 0, candidate.source, candidate.prior
+        later = prior if candidate.prior_next is None else candidate.prior_next
         for tok in candidate.tokens:
             if parents is not None and v not in parents:
                 break
@@ -316,7 +318,7 @@ def labelled(tree, parents=None):
             if (child, label) not in seen:
                 seen.add((child, label))
                 rank = siblings[v, label] = siblings.get((v, label), -1) + 1
-                yield child, (label, depth[child], rank), prior
+                yield child, (label, depth[child], rank), prior if v == 0 else later
             v = child
 
 

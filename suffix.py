@@ -9,10 +9,11 @@ Every context of 1 to `longest` tokens that ends before a token of the text maps
 seen right after it, each with its count and when it was last seen. A step's guesses: the
 longest context ending in `last` that was seen before, then its `branches` best continuations
 (by count, then recency), each extended by the same rule one token at a time (the longest
-context ending in the chain so far), up to twice as deep as the match is long plus two, at most
-`depth`: a long match is likelier to go on. Along the best chain each token's runner-up is
-offered too, after the chains: the guesses form a tree. Their labels say the match length
-(suffix1 .. suffix4, 4 for 4 or more), so the dynamic shape learns each one's chance apart.
+context ending in the chain so far), up to four times as deep as the match is long plus four,
+at most `depth`: a long match is likelier to go on. Along the best chain each token's runner-up
+is offered too, after the chains: the guesses form a tree. Their labels say the match length
+(suffix1, suffix2, suffix3 for 3 to 5, suffix6 for 6 or more), so the dynamic shape learns each
+one's chance apart, and each states its prior (MATCH_PRIORS).
 
 The index holds the prompt and every committed token (observe: O(new tokens x longest) a step).
 With a Memory it lives in the memory's table for this source, so later requests find what
@@ -22,10 +23,16 @@ from drafts import DraftSource
 from lookahead import Candidate
 
 MOST_AFTER = 8  # continuations kept per context: the least counted goes first
+# A chain's label and priors by the length of the match it starts from (at least 6, 3, 2, 1):
+# the chance of its first guess, and (None: the same) of each later one once the one before it
+# was right. The longer the match, the likelier its text goes on, and a chain from a long match
+# that was right tends to stay right (docs/PERFORMANCE.md: the rates seen on Spec-Bench).
+MATCH_PRIORS = ((6, "suffix6", 0.75, 0.95), (3, "suffix3", 0.5, None), (2, "suffix2", 0.3, None),
+                (1, "suffix1", 0.2, None))
 
 
 class SuffixSource(DraftSource):
-    def __init__(self, longest: int = 16, branches: int = 3, depth: int = 16):
+    def __init__(self, longest: int = 16, branches: int = 3, depth: int = 32):
         if longest < 1 or branches < 1 or depth < 1:
             raise ValueError(f"SuffixSource needs longest, branches and depth >= 1 (got {longest}, {branches}, {depth})")
         self.longest, self.branches, self.depth = longest, branches, depth
@@ -84,9 +91,10 @@ class SuffixSource(DraftSource):
         length, after = self.match(context, self.longest)
         if not length:
             return []
-        depth = min(k, self.depth, 2 * length + 2)
+        depth = min(k, self.depth, 4 * length + 4)
         ranked = sorted(after, key=lambda t: after[t], reverse=True)[:self.branches]  # by count, then recency
-        out, label, forks = [], f"suffix{min(length, 4)}", []
+        _, label, prior, prior_next = next(m for m in MATCH_PRIORS if length >= m[0])
+        out, forks = [], []
         for rank, first in enumerate(ranked):
             chain, ctx, d = [first], context + [first], length
             while len(chain) < depth:
@@ -98,5 +106,5 @@ class SuffixSource(DraftSource):
                     forks.append(tuple(chain) + (best[1],))
                 chain.append(best[0])
                 ctx.append(best[0])
-            out.append(Candidate(tuple(chain), label))
-        return out + [Candidate(fork, label) for fork in forks]
+            out.append(Candidate(tuple(chain), label, prior=prior, prior_next=prior_next))
+        return out + [Candidate(fork, label, prior=prior, prior_next=prior_next) for fork in forks]

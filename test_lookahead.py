@@ -33,7 +33,7 @@ from drafts import DraftSource, JacobiGuess
 from engine import RowStep, generate, generate_batch
 from lookahead import Candidate, NGramPool, Tree
 from step_inputs import row_inputs
-from shape import Acceptance, Shape, StepCosts, choose_shape, labelled
+from shape import Acceptance, Shape, StepCosts, chances, choose_shape, labelled
 from model import step_size
 
 
@@ -383,9 +383,16 @@ def test_the_suffix_source_continues_the_longest_suffix_seen_before():
     source = SuffixSource(longest=4, branches=2, depth=4)
     source.observe(seq, None)
     assert [(c.tokens, c.source) for c in source.propose(seq, 10)] == [((4, 6, 1, 2), "suffix3")]
-    short = SuffixSource(longest=1, depth=16)  # a 1-token match ("3") goes 2 * 1 + 2 = 4 deep
+    assert [(c.prior, c.prior_next) for c in source.propose(seq, 10)] == [(0.5, None)]  # suffix3's priors
+    short = SuffixSource(longest=1, depth=16)  # a 1-token match ("3") goes 4 * 1 + 4 = 8 deep
     short.observe(seq, None)
-    assert short.propose(seq, 10)[0].tokens == (4, 6, 1, 2)
+    assert short.propose(seq, 10)[0].tokens == (4, 6, 1, 2, 3, 4, 6, 1)
+    # A match of 6 or more: its label and priors say a chain that was right tends to stay right.
+    repeated = SimpleNamespace(prompt=[1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6], tokens=[7])
+    long = SuffixSource(branches=1)
+    long.observe(repeated, None)
+    [chain] = long.propose(repeated, 3)
+    assert (chain.tokens, chain.source, chain.prior, chain.prior_next) == ((8, 9, 1), "suffix6", 0.75, 0.95)
     assert source.propose(seq, 2)[0].tokens == (4, 6)  # never past k
     # Continuations by count, then recency: a tie goes to the latest, a count beats recency.
     for text, want in (([1, 2, 3, 4, 1, 2, 3, 7, 1, 2], [7, 4]), ([1, 2, 3, 7, 1, 2, 3, 7, 1, 2, 3, 4, 1, 2], [7, 4]),
@@ -1028,6 +1035,26 @@ def test_acceptance_learns_from_what_was_accepted():
         acceptance.record(tree, [3], w=0)  # the second sibling right, the first wrong
     assert acceptance.p(second, 0.3) > prior_second and acceptance.p(first, 0.3) < prior_first
     assert keys[2] not in acceptance.counts  # below a rejected guess: not tested
+
+
+def test_a_candidate_states_a_prior_for_its_first_guess_and_one_for_each_after_it():
+    # Before any trial a guess is worth the product of its chain's priors: `prior` for the first
+    # guess, `prior_next` for each later one (a suffix chain that was right tends to stay right);
+    # without prior_next, `prior` for all.
+    tree = Tree(last=0)
+    tree.add(Candidate((1, 2, 3), "suffix6", prior=0.5, prior_next=0.9))
+    tree.add(Candidate((4, 5), "pool1", prior=0.5))
+    chance = chances(tree, Acceptance())
+    at = lambda *tokens: chance[path_node(tree, tokens)]
+    assert at(1) == pytest.approx(0.5) and at(1, 2, 3) == pytest.approx(0.5 * 0.9 * 0.9)
+    assert at(4, 5) == pytest.approx(0.5 * 0.5)
+
+
+def path_node(tree, tokens) -> int:
+    v = 0
+    for tok in tokens:
+        v = tree.children[v][tok]
+    return v
 
 
 def test_what_is_learned_of_a_source_does_not_depend_on_the_order_of_the_sources():
