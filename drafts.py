@@ -5,11 +5,22 @@ this project's addition; recycling.py has token recycling. Every one of them kee
 of DraftSource below.
 """
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
+import lookahead
 from decoding import prefill
-from lookahead import Candidate, NGramPool
+from lookahead import NGramPool
+
+
+@dataclass(slots=True)
+class Candidate(lookahead.Candidate):
+    """lookahead.Candidate with the chances its source states, which only the dynamic shape
+    (shape.DynamicShape) reads: `prior`, that its first guess is right before any was seen, and
+    `prior_next`, that each later guess is once the one before it was right (None: `prior`)."""
+    prior: float = 0.3
+    prior_next: float | None = None
 
 
 class DraftSource:
@@ -52,9 +63,10 @@ class DraftSource:
     paper's) and every other source's first one, each cut or padded to N-1 guesses: no source is
     left out, and each costs N-1 tokens a step. The dynamic shape runs the guesses worth their
     cost: it learns each Candidate.source label's chance per depth and rank (among that label's
-    guesses under the same parent), from the prior the candidates state, crediting every source
-    that proposed an accepted guess, so the order of the sources changes nothing it learns (the
-    Jacobi guess's bonus alone follows the first candidate, the pool's best where it has one). It
+    guesses under the same parent), from the priors the candidates state (prior, prior_next),
+    crediting every source that proposed an accepted guess, so the order of the sources changes
+    nothing it learns (the Jacobi guess's bonus alone follows the first candidate, the pool's
+    best where it has one). It
     also times each source's propose and observe (bench.py reports them) and stops asking a
     source whose seconds would buy more tokens as plain steps than the accepted guesses only it
     proposed (shape.SourceLedger, judged every 4 steps it runs; asked again after 8, 16, ...

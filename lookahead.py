@@ -47,14 +47,10 @@ from decoding import Generation, check_requests
 @dataclass(slots=True)
 class Candidate:
     """A chain of guesses continuing `last`, and who made it (`source`); from_window marks an
-    n-gram the lookahead window made. `prior`: the chance its first guess is right before any
-    was seen, as its source states it, and `prior_next` each later guess's once the one before
-    it was right (None: `prior`); only engine.py's dynamic shape reads them."""
+    n-gram the lookahead window made."""
     tokens: tuple
     source: str
     from_window: bool = False
-    prior: float = 0.3
-    prior_next: float | None = None
 
 
 class NGramPool:

@@ -19,8 +19,7 @@ The index holds the prompt and every committed token (observe: O(new tokens x lo
 With a Memory it lives in the memory's table for this source, so later requests find what
 earlier ones said (SuffixDecoding's global tree); without, each row keeps its own.
 """
-from drafts import DraftSource
-from lookahead import Candidate
+from drafts import Candidate, DraftSource
 
 MOST_AFTER = 8  # continuations kept per context: the least counted goes first
 # A chain's label and priors by the length of the match it starts from (at least 6, 3, 2, 1):
