@@ -29,9 +29,9 @@ from explain import explain_step
 import engine
 import lookahead
 import step_inputs
-from drafts import DraftSource, JacobiGuess
+from drafts import Candidate, DraftSource, JacobiGuess
 from engine import RowStep, generate, generate_batch
-from lookahead import Candidate, NGramPool, Tree
+from lookahead import NGramPool, Tree
 from step_inputs import row_inputs
 from shape import Acceptance, Shape, StepCosts, chances, choose_shape, labelled
 from model import step_size
@@ -345,32 +345,25 @@ def test_recycling_reads_the_ranking_after_the_last_two_tokens_where_it_has_one(
     assert (tr.next2[1, 2], tr.next2[2, 3], tr.next2[3, 8]) == ([5, 6], [7, 7], [8, 8])
 
 
+@pytest.mark.parametrize("source", ["recycling", "suffix"])
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 24), N=st.integers(2, 6), max_new=st.integers(1, 40),
        family=st.sampled_from(list(FAMILY_OPTIONS)), data=st.data())
-def test_token_recycling_is_exact_in_both_shapes(seed, vocab, N, max_new, family, data):
-    model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=128, **FAMILY_OPTIONS[family])
-    prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=20))
-    _, shape = draw_shape(data, 6)
-    drafts = data.draw(st.sampled_from([lambda seq: [seq.pool, TokenRecycling(), JacobiGuess()],
-                                        lambda seq: [TokenRecycling(template=[p for p in TEMPLATE if max(p) < 2])]]))
-    got = generate(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
-    assert got.tokens == greedy_decode(model, prompt, max_new).tokens
-
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=st.integers(0, 2**16), vocab=st.integers(8, 24), N=st.integers(2, 6), max_new=st.integers(1, 40),
-       family=st.sampled_from(list(FAMILY_OPTIONS)), data=st.data())
-def test_the_suffix_source_is_exact_in_both_shapes(seed, vocab, N, max_new, family, data):
+def test_a_learning_source_is_exact_in_both_shapes(source, seed, vocab, N, max_new, family, data):
+    """Token recycling and the suffix source learn from the model's own output as it goes; what
+    they learn changes the guesses, never the output: greedy's, beside the pool and the Jacobi
+    guess or alone, in either shape."""
     model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=128, **FAMILY_OPTIONS[family])
     motif = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8))
     prompt = (motif * 6)[:data.draw(st.integers(1, 30))]
     _, shape = draw_shape(data, 6)
-    options = dict(longest=data.draw(st.integers(1, 8)), branches=data.draw(st.integers(1, 4)),
-                   depth=data.draw(st.integers(1, 10)))
-    drafts = data.draw(st.sampled_from([lambda seq: [seq.pool, SuffixSource(**options), JacobiGuess()],
-                                        lambda seq: [SuffixSource(**options)]]))
+    if source == "recycling":
+        beside, alone = TokenRecycling, lambda: TokenRecycling(template=[p for p in TEMPLATE if max(p) < 2])
+    else:
+        options = dict(longest=data.draw(st.integers(1, 8)), branches=data.draw(st.integers(1, 4)),
+                       depth=data.draw(st.integers(1, 10)))
+        beside = alone = lambda: SuffixSource(**options)
+    drafts = data.draw(st.sampled_from([lambda seq: [seq.pool, beside(), JacobiGuess()], lambda seq: [alone()]]))
     got = generate(model, prompt, max_new, ngram=N, seed=seed, drafts=drafts, **shape)
     assert got.tokens == greedy_decode(model, prompt, max_new).tokens
 
