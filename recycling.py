@@ -116,9 +116,10 @@ class TokenRecycling(DraftSource):
             return  # the prefill's first token (no rankings), or idle
         tree, n = step.tree, len(step.tree)
         before_last = token_back(seq, len(step.committed) + 2)  # `last` came before what the step committed
-        for v, (token, best) in enumerate(zip(step.read[:n], step.rankings)):  # every guess, accepted or rejected
+        for v, (token, best) in enumerate(zip(tree.tokens, step.rankings)):  # every guess, accepted or rejected
             self.next[token] = best
             self.next2[before_last if v == 0 else tree.tokens[tree.parent[v]], token] = best
-        for token, best in zip(step.read[n:], step.rankings[n:]):  # the window's: where nothing else is known
+        newest = step.window[-1] if step.window else []  # the rest of what the step read (StepRecord.read)
+        for token, best in zip(newest, step.rankings[n:]):  # the window's: where nothing else is known
             if token not in self.next:
                 self.next[token] = best

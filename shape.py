@@ -267,13 +267,12 @@ STEP_COSTS = weakref.WeakKeyDictionary()
 
 
 class Acceptance:
-    """How often a guess was right when its parent was, in this request, per (source label,
-    depth, rank among that label's guesses under the same parent): the probability a dynamic
-    step gives each guess. Starts from the prior its candidate states (Candidate.prior for its
-    first guess, prior_next for the later ones, worth two observations), halved for each elder
-    sibling of the same label. A guess that several sources
-    proposed is credited to each of them, and worth the best of their estimates: the order in
-    which the sources are listed changes nothing learned."""
+    """How often a guess was right when its parent was, in this request, per (source label, depth,
+    rank among that label's guesses under the same parent): the probability a dynamic step gives
+    each guess. Starts from the prior its candidate states (Candidate.prior for its first guess,
+    prior_next for the later ones, worth two observations), halved for each elder sibling of the
+    same label. A guess that several sources proposed is credited to each of them, and worth the
+    best of their estimates: the order in which the sources are listed changes nothing learned."""
 
     def __init__(self):
         self.counts = {}  # key -> [hits, trials] (one dict: a step looks each key up once)
