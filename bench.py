@@ -638,7 +638,7 @@ def main(argv=None):
                                                   "built once by models/smollm2.py)")
     ap.add_argument("--configs", nargs="+", type=parse_config, default=None,
                     help="W,N,G configurations or `dynamic`, each optionally :SOURCES, the draft sources in order "
-                         "(e.g. dynamic:pool,recycling,jacobi; default: dynamic with pool,jacobi)")
+                         "(e.g. dynamic:pool,recycling,jacobi; default: dynamic with pool,suffix,jacobi)")
     ap.add_argument("--flat-cost", type=int, nargs="?", const=STEP_SIZES[-1], default=None, metavar="LARGEST",
                     help="the dynamic shape assumes every step size up to LARGEST (default 128) costs the same "
                          "(what it does where steps are free)")

@@ -40,7 +40,7 @@ DRAFTS = {"jacobi": JacobiGuess, "recycling": TokenRecycling, "suffix": SuffixSo
 
 def drafts_from(names: str):
     """'pool,recycling,suffix(depth=4),my_source.py:MySource' -> engine.generate's drafts (None:
-    the default, pool and jacobi). Each source is made per sequence with its arguments; a bad
+    the default, pool, suffix and jacobi). Each source is made per sequence with its arguments; a bad
     name or argument is a ValueError naming it."""
     chosen = split_sources(names)
     if len(set(chosen)) < len(chosen) or not all(chosen):
@@ -64,7 +64,7 @@ def drafts_from(names: str):
         except TypeError as e:
             raise ValueError(f"--drafts: {spec}: {e}") from None
         makers.append(lambda seq, source=source, kwargs=kwargs: source(**kwargs))
-    return None if chosen == ["pool", "jacobi"] else lambda seq: [make(seq) for make in makers]
+    return None if chosen == ["pool", "suffix", "jacobi"] else lambda seq: [make(seq) for make in makers]
 
 
 def split_sources(names: str) -> list[str]:
@@ -175,7 +175,7 @@ def parse_args(argv):
                          "shape, chosen per step)")
     ap.add_argument("--drafts", default=None,
                     help=f"the draft sources, in order: pool, {', '.join(DRAFTS)}, or FILE.py:ClassName, a DraftSource "
-                         "of your own, each optionally with keyword arguments, e.g. suffix(depth=4) (default pool,jacobi)")
+                         "of your own, each optionally with keyword arguments, e.g. suffix(depth=4) (default pool,suffix,jacobi)")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
     ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -229,7 +229,7 @@ def parse_args(argv):
             ap.error(f"--{name} must be at least {least}, got {value}")
     try:
         args.sampling = Sampling(args.temperature, args.top_k, args.top_p)
-        args.draft_sources = drafts_from(args.drafts or "pool,jacobi")
+        args.draft_sources = drafts_from(args.drafts or "pool,suffix,jacobi")
     except ValueError as e:
         ap.error(str(e))
     if args.prompt_file is not None:

@@ -1,8 +1,8 @@
 """Draft sources: where a lookahead step's guesses come from, and what a new one implements.
 
 The paper's source is the n-gram pool (lookahead.NGramPool, here as PoolSource); JacobiGuess is
-this project's addition; recycling.py has token recycling. Every one of them keeps the contract
-of DraftSource below.
+this project's addition; suffix.py has the suffix source and recycling.py token recycling. Every
+one of them keeps the contract of DraftSource below.
 """
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,9 +28,9 @@ class DraftSource:
     the output stays exactly greedy's (or plain sampling's distribution): verification accepts
     only what the model itself says. A source is made per row (a prompt of the batch): by
     engine.generate(..., drafts=f), f(seq) -> the row's sources (default [seq.pool,
-    JacobiGuess()]); from the command line, `--drafts pool,FILE.py:ClassName,jacobi` makes
-    ClassName() per row, and `FILE.py:ClassName(depth=4, name="x")` passes it those keyword
-    arguments (Python literals).
+    SuffixSource(), JacobiGuess()]); from the command line, `--drafts
+    pool,FILE.py:ClassName,jacobi` makes ClassName() per row, and `FILE.py:ClassName(depth=4,
+    name="x")` passes it those keyword arguments (Python literals).
 
     When each hook runs, for a row whose state is `seq`:
       - observe_prefill(seq, rankings), once after the prompt's forward, only where `rankings` > 0
@@ -58,19 +58,18 @@ class DraftSource:
     pool (the row's NGramPool), and expected_guesses: the most guesses the policy expects the
     coming steps to hold, so that a source whose guesses cost it to make need not make more.
 
-    How the shapes use proposals (the pool's come first, then the other sources' in their
-    order): the fixed shape (the paper's W, N, G) runs the pool's first G candidates (the
-    paper's) and every other source's first one, each cut or padded to N-1 guesses: no source is
-    left out, and each costs N-1 tokens a step. The dynamic shape runs the guesses worth their
-    cost: it learns each Candidate.source label's chance per depth and rank (among that label's
-    guesses under the same parent), from the priors the candidates state (prior, prior_next),
-    crediting every source that proposed an accepted guess, so the order of the sources changes
-    nothing it learns (the Jacobi guess's bonus alone follows the first candidate, the pool's
-    best where it has one). It
-    also times each source's propose and observe (bench.py reports them) and stops asking a
-    source whose seconds would buy more tokens as plain steps than the accepted guesses only it
-    proposed (shape.SourceLedger, judged every 4 steps it runs; asked again after 8, 16, ...
-    steps). A source under 2% of the steps' time is always asked.
+    How the shapes use proposals (the pool's come first, then the other sources' in their order):
+    the fixed shape (the paper's W, N, G) runs the pool's first G candidates (the paper's) and every
+    other source's first one, each cut or padded to N-1 guesses: no source is left out, and each
+    costs N-1 tokens a step. The dynamic shape runs the guesses worth their cost: it learns each
+    Candidate.source label's chance per depth and rank (among that label's guesses under the same
+    parent), from the priors the candidates state (prior, prior_next), crediting every source that
+    proposed an accepted guess, so the order of the sources changes nothing it learns (the Jacobi
+    guess's bonus alone follows the first candidate, the pool's best where it has one). It also
+    times each source's propose and observe (bench.py reports them) and stops asking a source whose
+    seconds would buy more tokens as plain steps than the accepted guesses only it proposed
+    (shape.SourceLedger, judged every 4 steps it runs; asked again after 8, 16, ... steps). A source
+    under 2% of the steps' time is always asked.
 
     rankings: how many of the model's best next tokens the source reads after every position a
     step reads (RowStep.rankings, None unless some source of the row asks) while

@@ -28,6 +28,7 @@ from lookahead import StepRecord, Tree, commit, fill_window, update_window, veri
 from sampling import Sampling, verify_sampled
 from shape import Shape, shape_policy
 from step_inputs import StepBuffer, pack_inputs, rollback_now, row_inputs, step_buffer
+from suffix import SuffixSource
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Sequence:
         self.gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
         # The sources, the pool's first (the paper's); each step the policy asks some or all of them.
         self.pool = PoolSource(policy.pool_cap)
-        self.sources = sorted(drafts(self) if drafts else [self.pool, JacobiGuess()], key=lambda s: s is not self.pool)
+        self.sources = sorted(drafts(self) if drafts else [self.pool, SuffixSource(), JacobiGuess()], key=lambda s: s is not self.pool)
         for source in {self.pool, *self.sources} if memory is not None else ():
             source.remember(memory)  # what they learn outlives the request (drafts.Memory)
         self.pool.add_text(self.prompt, len(self.prompt), self.N)  # answers copy their prompt
@@ -185,8 +186,9 @@ def generate_batch(model, prompts, max_new_tokens, *, window=None, ngram=None, c
     greedy_decode's (sampling: sample_decode's distribution, row b seeded with seed + b). W, N, G
     (window, ngram = 5, candidates): the paper's fixed shape; neither W nor G: the dynamic shape
     (shape.py; `costs` fixes its step costs). output_ngrams: pool the committed text's n-grams.
-    drafts(seq) -> the row's draft sources (default: the pool, the Jacobi guess). memory: a
-    drafts.Memory the rows' sources share and keep after the request (default: none kept).
+    drafts(seq) -> the row's draft sources (default: the pool, the suffix source, the Jacobi
+    guess). memory: a drafts.Memory the rows' sources share and keep after the request (default:
+    none kept).
     on_tokens(row, new ids), on_step(row, RowStep). A finished row leaves the batch."""
     policy = shape_policy(model, window, ngram, candidates, costs)
     sampling = Sampling(temperature, top_k, top_p)

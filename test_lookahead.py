@@ -67,9 +67,9 @@ def test_lookahead_equals_greedy():
 
     @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(seed=st.integers(0, 2**16), vocab=st.integers(8, 32), N=st.integers(2, 6),
-           max_new=st.integers(1, 60), context=st.sampled_from([40, 64, 256]), jacobi_guess=st.booleans(),
+           max_new=st.integers(1, 60), context=st.sampled_from([40, 64, 256]), default_sources=st.booleans(),
            family=st.sampled_from(list(FAMILY_OPTIONS)), data=st.data())
-    def prop(seed, vocab, N, max_new, context, jacobi_guess, family, data):
+    def prop(seed, vocab, N, max_new, context, default_sources, family, data):
         model = random_model(seed, vocab_size=vocab, n_layers=1 + seed % 2, max_seq_len=context,
                              **FAMILY_OPTIONS[family])
         motif = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6))
@@ -78,14 +78,18 @@ def test_lookahead_equals_greedy():
         mode, shape = draw_shape(data, 8)
         expected = greedy_decode(model, prompt, max_new, stop).tokens
         steps = []
-        drafts = None if jacobi_guess else lambda seq: [seq.pool]  # the default: the pool, then the Jacobi guess
+        drafts = None if default_sources else lambda seq: [seq.pool]  # the default: pool, suffix, Jacobi guess
         chunk = data.draw(st.sampled_from([1024, 3, 7]))  # greedy's prompt whole, lookahead's in chunks
         with mock.patch.object(decoding, "PREFILL_CHUNK", chunk):
             got = generate(model, prompt, max_new, ngram=N, stop_ids=stop, seed=seed, drafts=drafts,
                                    on_step=steps.append, **shape)
         assert got.tokens == expected
         assert sum(got.committed) + 1 == len(got.tokens)
-        assert max(got.committed, default=1) <= N
+        # Every candidate is cut to N-1 guesses in the fixed shape; in the dynamic one a suffix
+        # chain may go deeper than the pool's n-grams.
+        longest = N if mode == "fixed" or not default_sources else max(N, 1 + SuffixSource().depth)
+        assert max(got.committed, default=1) <= longest
+        seen["past N"] += max(got.committed, default=1) > N
         assert len(got.shapes) == got.steps
         for s in got.shapes:  # a step's tokens fit its padded size, and the size is on the menu
             assert 1 + s.guesses + s.window * s.levels <= s.size and s.size in SIZES + [256]
@@ -99,7 +103,7 @@ def test_lookahead_equals_greedy():
         seen["full"] += max(got.committed, default=1) == N
         seen["near_context"] += len(prompt) + max_new + 2 * 8 * (N - 1) > context
         jacobi_wins = [s for s in steps if s.path and s.tree.candidates[s.winner].source == "jacobi"]
-        assert jacobi_guess or not any(c.source == "jacobi" for s in steps for c in s.tree.candidates)
+        assert default_sources or not any(c.source == "jacobi" for s in steps for c in s.tree.candidates)
         seen["jacobi_accepted"] += bool(jacobi_wins)
         if mode != "fixed":
             widths = [s.window for s in got.shapes]
@@ -111,7 +115,7 @@ def test_lookahead_equals_greedy():
 
     prop()
     assert seen["multi"] > seen["runs"] // 4, seen
-    assert seen["full"] > 0 and seen["near_context"] > 0 and seen["jacobi_accepted"] > 0, seen
+    assert seen["full"] > 0 and seen["near_context"] > 0 and seen["jacobi_accepted"] > 0 and seen["past N"], seen
     for mode in ("measured", "flat", "adversarial"):
         assert seen[f"{mode} steps"] > 0 and seen[f"{mode} merged"] > 0, seen
     assert seen["flat window"] and seen["adversarial window narrowed"] and seen["adversarial padded"], seen
@@ -613,7 +617,7 @@ def test_a_source_that_is_never_right_costs_the_others_almost_nothing(shape, fir
         truth = greedy_decode(model, prompt, 64).tokens
         useless = lambda seq: ([NeverRight(truth, 12)] if first else []) + [seq.pool, JacobiGuess()] + (
             [] if first else [NeverRight(truth, 12)])
-        a = generate(model, prompt, 64, **shape)
+        a = generate(model, prompt, 64, drafts=lambda seq: [seq.pool, JacobiGuess()], **shape)
         b = generate(model, prompt, 64, drafts=useless, **shape)
         assert a.tokens == b.tokens == truth
         plain, with_it = plain + a.steps, with_it + b.steps
