@@ -40,8 +40,8 @@ DRAFTS = {"jacobi": JacobiGuess, "recycling": TokenRecycling, "suffix": SuffixSo
 
 def drafts_from(names: str):
     """'pool,recycling,suffix(depth=4),my_source.py:MySource' -> engine.generate's drafts (None:
-    the default, pool, suffix and jacobi). Each source is made per sequence with its arguments; a bad
-    name or argument is a ValueError naming it."""
+    the default, pool, suffix and jacobi). Each source is made per sequence with its arguments;
+    a bad name or argument is a ValueError naming it."""
     chosen = split_sources(names)
     if len(set(chosen)) < len(chosen) or not all(chosen):
         raise ValueError(f"--drafts takes distinct sources, not {names!r}")

@@ -28,7 +28,7 @@ class Generation:
 
     @property
     def tokens_per_step(self) -> float:
-        """The compression ratio: 1.0 for greedy, up to N for lookahead."""
+        """The compression ratio: 1.0 for greedy, at most N in the fixed shape (deeper chains: more)."""
         return sum(self.committed) / self.steps if self.steps else 1.0
 
     @property

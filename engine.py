@@ -54,7 +54,8 @@ class Sequence:
         self.gen = torch.Generator(dev).manual_seed(seed)  # sampling's draws, seeded like the window
         # The sources, the pool's first (the paper's); each step the policy asks some or all of them.
         self.pool = PoolSource(policy.pool_cap)
-        self.sources = sorted(drafts(self) if drafts else [self.pool, SuffixSource(), JacobiGuess()], key=lambda s: s is not self.pool)
+        sources = drafts(self) if drafts else [self.pool, SuffixSource(), JacobiGuess()]
+        self.sources = sorted(sources, key=lambda s: s is not self.pool)
         for source in {self.pool, *self.sources} if memory is not None else ():
             source.remember(memory)  # what they learn outlives the request (drafts.Memory)
         self.pool.add_text(self.prompt, len(self.prompt), self.N)  # answers copy their prompt

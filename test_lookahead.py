@@ -62,7 +62,8 @@ def test_lookahead_equals_greedy():
     small ones), so that it runs every branch: windows that grow, narrow and sit out, tries
     pruned to a few guesses, steps padded past their tokens. Equality alone would pass a
     verifier that never accepts, so the runs must also show multi-token steps (tiny vocabularies
-    and repetitive prompts make n-grams recur) and accepted Jacobi guesses."""
+    and repetitive prompts make n-grams recur), accepted Jacobi guesses, and suffix chains
+    accepted past N tokens in a step (the default sources)."""
     seen = Counter()
 
     @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
