@@ -21,8 +21,13 @@ class Linear(nn.Linear):
     transposed = frozenset()  # token counts multiplied as (W @ x^T)^T; F.linear for the rest
 
     def forward(self, x):
+        # The device and compiling first: under torch.compile a test of the token count would
+        # guard it, one graph for every count (CompiledStep wants one for all), and inductor
+        # picks its own kernels there anyway.
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
+            return super().forward(x)
         n = x.numel() // x.shape[-1]
-        if n not in self.transposed or x.device.type != "cpu":
+        if n not in self.transposed:
             return super().forward(x)
         x2 = x.reshape(-1, x.shape[-1])  # (B*T, in)
         if n == 1:

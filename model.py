@@ -380,9 +380,10 @@ class Transformer(nn.Module):
         # The decoders size every step to fit the cache (<= the context): no sync to check positions.
         return self(tokens, positions, committed, mask, committed_range, read=read, check=False, moves=moves)
 
-    def compile_steps(self, sizes, cache_len=None, log=None):
-        """Compile the step for these sizes now (CompiledStep), over a cache of cache_len slots."""
-        self.compiled = CompiledStep(self, sizes, cache_len, log)
+    def compile_steps(self, sizes, cache_len=None, log=None, backend="inductor"):
+        """Compile the step for these sizes now (CompiledStep), over a cache of cache_len slots
+        (backend: torch.compile's; "eager" traces the same graphs and compiles nothing)."""
+        self.compiled = CompiledStep(self, sizes, cache_len, log, backend)
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None, compile=False, max_seq_len=None) -> "Transformer":
@@ -429,20 +430,30 @@ class CompiledStep:
     buffers, overwritten by the next replay: read them before the next step.
 
     Every step takes the step before's roll back as MOVES (from, to) slot pairs (padded with a
-    slot copied onto itself): inside the graph, never a launch of its own per layer."""
+    slot copied onto itself): inside the graph, never a launch of its own per layer.
+
+    How many graphs: torch.compile keeps one list of graphs per Python function, and every
+    CompiledStep shares `bucketed_step`. Sizes 2 and up share one graph (T is a symbol; size 1
+    is always a graph of its own), so a model needs two; each further model in the process (a
+    draft model, a second shape) two more. Dynamo allows recompile_limit graphs a function (8 by
+    default) and, with fullgraph=True, raises at the next one: so each CompiledStep raises that
+    allowance by its number of sizes, the most it could ever need."""
 
     MOVES = 16  # accepted guesses a step's roll back moves inside the graph (more: done eagerly, step_inputs.pack_inputs)
 
     @torch.inference_mode()
-    def __init__(self, model: Transformer, sizes, cache_len=None, log=None):
+    def __init__(self, model: Transformer, sizes, cache_len=None, log=None, backend="inductor"):
         self.model, dev = model, model.device
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit += len(sizes)
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, dynamo.recompile_limit)
         slots = cache_len or min(COMPILED_CACHE, model.args.max_seq_len)
         # One slot more than requests may use, never read: a read of [0, width) is then never the
         # whole buffer, which the graph would otherwise be specialised on (a second graph).
         model.cache.setup(slots + 1, spare=True)
         model.cache.slots, model.cache.frozen = slots, True
-        mode = "reduce-overhead" if dev.type == "cuda" else None
-        self.step = torch.compile(self.bucketed_step, fullgraph=True, dynamic=True, mode=mode)
+        mode = "reduce-overhead" if dev.type == "cuda" and backend == "inductor" else None
+        self.step = torch.compile(self.bucketed_step, fullgraph=True, dynamic=True, mode=mode, backend=backend)
         width = cache_bucket(1, slots)
         self.still = torch.zeros(1, 2, self.MOVES, dtype=torch.long, device=dev)  # no moves: slot 0 onto itself
         for T in sizes:

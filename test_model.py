@@ -457,6 +457,44 @@ def test_a_compiled_model_keeps_its_cache(compiled_pair):
         compiled.cache.setup(48)
 
 
+@pytest.mark.parametrize("transposed", [frozenset(), frozenset(range(1, 17))], ids=["as-on-a-gpu", "as-tuned-on-a-cpu"])
+def test_the_compiled_step_makes_two_graphs_a_model_whatever_the_size_bucket_or_model(transposed):
+    # torch.compile keeps one list of graphs for bucketed_step, shared by every CompiledStep, and
+    # with fullgraph=True raises past recompile_limit. Sizes 2 and up must share one graph (size
+    # 1 is always its own), whatever the cache bucket a request reads: a guard on the size (as a
+    # Linear that tests its token count before its device makes) would spend the allowance on
+    # one model's sizes. Counted with the "eager" backend: the same graphs, nothing compiled.
+    from torch._dynamo.utils import counters
+    from model import STEP_SIZES
+    graphs = lambda: counters["stats"]["unique_graphs"]
+    # Five shapes in one process (as a fork with a draft model, or .ci/gpu's two curves, has
+    # several): ten graphs, past dynamo's default allowance of 8 unless each CompiledStep raises it.
+    shapes = (dict(), dict(dim=48, n_heads=6, hidden_dim=96), dict(n_layers=3, vocab_size=40), dict(n_kv_heads=1),
+              dict(head_dim=16, hidden_dim=48))
+    for seed, shape in enumerate(shapes):
+        model = random_model(seed, dtype=torch.float32, max_seq_len=700, **shape)
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.transposed = transposed
+        before = graphs()
+        model.compile_steps(STEP_SIZES, cache_len=600, backend="eager")  # buckets 256, 512 and 600
+        # At most: a model of a shape compiled before (the other parameter's) may reuse its graphs.
+        assert graphs() - before <= 2, f"model {seed + 1}: {graphs() - before} graphs for {len(STEP_SIZES)} sizes"
+        compiled = graphs()
+        with torch.inference_mode():
+            for committed in (10, 300, 590 - STEP_SIZES[-1]):  # the three buckets
+                for T in STEP_SIZES:
+                    idx = torch.arange(T)[None]
+                    C = torch.full((1, 1), committed)
+                    model.step(idx % 7, C + idx, C, torch.ones(1, T, T, dtype=torch.bool).tril(), (committed, committed),
+                               read=idx)
+        for prompt in ([1, 2, 3, 1, 2, 3], [3, 1, 4, 1, 5] * 60):  # requests: both buckets, the engine's own sizes
+            greedy_decode(model, prompt, 20)
+            generate(model, prompt, 20)
+            generate(model, prompt, 20, window=5, ngram=4, candidates=3)
+        assert graphs() == compiled, f"model {seed + 1}: requests made {graphs() - compiled} graphs more"
+
+
 def test_a_compiled_cache_is_what_was_asked_not_the_context():
     # A Llama-3.1-style context of 131,072 positions: the compiled cache holds COMPILED_CACHE slots by
     # default (compiling no size is instant), and max_seq_len where given.
