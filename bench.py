@@ -601,16 +601,23 @@ def timed(fn, device):
     return gen
 
 
-def load_curve(path) -> dict[int, float]:
-    """A step-cost curve, {"seconds": {"1": s, "2": s, ...}} (other keys say where it was
-    measured): seconds a step by step size; a ValueError names what is wrong with it."""
+def load_curve(spec: str) -> dict[int, float]:
+    """A step-cost curve: FILE holding {"seconds": {"1": s, "2": s, ...}} (other keys say where it
+    was measured), or FILE:LABEL, the curve LABEL of a file of several (.ci/gpu's curves.json):
+    seconds a step by step size. A ValueError names what is wrong with it."""
+    path, label = (spec, None) if Path(spec).exists() or ":" not in spec else spec.rsplit(":", 1)
     try:
-        seconds = json.loads(Path(path).read_text())["seconds"]
+        data = json.loads(Path(path).read_text())
+        if label is None and "seconds" not in data:
+            raise ValueError(f"a file of several curves: name one as {path}:LABEL ({', '.join(data)})")
+        if label is not None and label not in data:
+            raise ValueError(f"no curve {label!r} in it ({', '.join(data)})")
+        seconds = (data if label is None else data[label])["seconds"]
         curve = {int(size): float(t) for size, t in seconds.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"--costs {path}: not a step-cost curve ({type(e).__name__}: {e})") from None
+        raise ValueError(f"--costs {spec}: not a step-cost curve ({type(e).__name__}: {e})") from None
     if 1 not in curve or any(t <= 0 for t in curve.values()):
-        raise ValueError(f"--costs {path}: a curve needs a 1-token step and positive seconds")
+        raise ValueError(f"--costs {spec}: a curve needs a 1-token step and positive seconds")
     return curve
 
 
@@ -642,9 +649,10 @@ def main(argv=None):
     ap.add_argument("--flat-cost", type=int, nargs="?", const=STEP_SIZES[-1], default=None, metavar="LARGEST",
                     help="the dynamic shape assumes every step size up to LARGEST (default 128) costs the same "
                          "(what it does where steps are free)")
-    ap.add_argument("--costs", default=None, metavar="FILE",
-                    help="the dynamic shape takes its step costs from a measured curve (a JSON file .ci/gpu writes, "
-                         '{"seconds": {"1": s, "2": s, ...}}) instead of the clock, and each configuration gets its '
+    ap.add_argument("--costs", default=None, metavar="FILE[:LABEL]",
+                    help="the dynamic shape takes its step costs from a measured curve (a JSON file, "
+                         '{"seconds": {"1": s, "2": s, ...}}, or one LABEL of the curves.json .ci/gpu writes) instead of '
+                         "the clock, and each configuration gets its "
                          "projected speed-up over greedy under that curve")
     ap.add_argument("--sweep", action="store_true", help=f"run a grid of {len(SWEEP)} configurations")
     ap.add_argument("--prompts", default=None, help='JSONL file of {"prompt": ..., "chat": true}')

@@ -424,8 +424,8 @@ class CompiledStep:
     is allocated once, here, with cache_len slots (default: COMPILED_CACHE, or the model's
     context if shorter; a request that needs more is refused) and one row, and kept. The width
     of cache a step reads is a symbol of the graph (dynamic=True), rounded up to a bucket of the
-    committed length (cache_bucket), so one graph a size serves every bucket; CUDA records one
-    replay per bucket, the first time it comes up. Warmed up under inference_mode, as the
+    committed length (cache_bucket), so one graph serves every bucket; CUDA records one
+    replay per size and bucket, the first time it comes up. Warmed up under inference_mode, as the
     decoders run: a graph is specialised on it. The logits it returns are the graph's own
     buffers, overwritten by the next replay: read them before the next step.
 
@@ -436,37 +436,44 @@ class CompiledStep:
     CompiledStep shares `bucketed_step`. Sizes 2 and up share one graph (T is a symbol; size 1
     is always a graph of its own), so a model needs two; each further model in the process (a
     draft model, a second shape) two more. Dynamo allows recompile_limit graphs a function (8 by
-    default) and, with fullgraph=True, raises at the next one: so each CompiledStep raises that
-    allowance by its number of sizes, the most it could ever need."""
+    default) and, with fullgraph=True, raises at the next one: so each size a CompiledStep adds
+    raises that allowance by one, the most it could ever need."""
 
     MOVES = 16  # accepted guesses a step's roll back moves inside the graph (more: done eagerly, step_inputs.pack_inputs)
 
     @torch.inference_mode()
     def __init__(self, model: Transformer, sizes, cache_len=None, log=None, backend="inductor"):
         self.model, dev = model, model.device
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit += len(sizes)
-        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, dynamo.recompile_limit)
         slots = cache_len or min(COMPILED_CACHE, model.args.max_seq_len)
         # One slot more than requests may use, never read: a read of [0, width) is then never the
         # whole buffer, which the graph would otherwise be specialised on (a second graph).
         model.cache.setup(slots + 1, spare=True)
         model.cache.slots, model.cache.frozen = slots, True
-        mode = "reduce-overhead" if dev.type == "cuda" and backend == "inductor" else None
-        self.step = torch.compile(self.bucketed_step, fullgraph=True, dynamic=True, mode=mode, backend=backend)
-        width = cache_bucket(1, slots)
+        self.mode = "reduce-overhead" if dev.type == "cuda" and backend == "inductor" else None
+        self.step = torch.compile(self.bucketed_step, fullgraph=True, dynamic=True, mode=self.mode, backend=backend)
         self.still = torch.zeros(1, 2, self.MOVES, dtype=torch.long, device=dev)  # no moves: slot 0 onto itself
+        self.sizes = ()
         for T in sizes:
-            start = time.perf_counter()
-            idx = torch.arange(T, device=dev)[None]  # (1, T)
-            mask = torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()
-            # Positions and committed as distinct tensors, as the decoders pass them: a graph
-            # guarded on the two being one tensor would be compiled again at the first request.
-            for _ in range(3 if mode else 1):  # CUDA graphs record on the second or third call
-                self.step(torch.zeros(1, T, dtype=torch.long, device=dev), 1 + idx,
-                          torch.ones(1, 1, dtype=torch.long, device=dev), mask, self.still.clone(), width)
-            log and log(f"compiled the {T}-token step in {time.perf_counter() - start:.1f} s")
-        self.sizes = tuple(sizes)
+            self.add(T, log)
+
+    @torch.inference_mode()
+    def add(self, T: int, log=None):
+        """Compile (or reuse the graph of) the T-token step and warm it up: model.step replays
+        it from now on."""
+        start, dev = time.perf_counter(), self.model.device
+        dynamo = torch._dynamo.config  # one graph more allowed (the class docstring says why)
+        dynamo.recompile_limit += 1
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, dynamo.recompile_limit)
+        idx = torch.arange(T, device=dev)[None]  # (1, T)
+        mask = torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()
+        # Positions and committed as distinct tensors, as the decoders pass them: a graph
+        # guarded on the two being one tensor would be compiled again at the first request.
+        for _ in range(3 if self.mode else 1):  # CUDA graphs record on the second or third call
+            self.step(torch.zeros(1, T, dtype=torch.long, device=dev), 1 + idx,
+                      torch.ones(1, 1, dtype=torch.long, device=dev), mask, self.still.clone(),
+                      cache_bucket(1, self.model.cache.slots))
+        self.sizes += (T,)
+        log and log(f"compiled the {T}-token step in {time.perf_counter() - start:.1f} s")
 
     def bucketed_step(self, tokens, positions, committed, mask, moves, width):
         """The compiled function: every position's logits, reading cache slots [0, width)."""

@@ -1668,6 +1668,13 @@ def test_bench_projects_the_speed_up_under_a_measured_step_cost_curve(tiny_check
     with pytest.raises(SystemExit):
         bench.main(["--costs", str(bad)])
     assert "a curve needs a 1-token step" in capsys.readouterr().err
+    # .ci/gpu's curves.json holds several, one named by its label; unnamed or unknown, a line names the labels.
+    several = tmp_path / "curves.json"
+    several.write_text(json.dumps({"a-1024": {"seconds": {"1": 0.01, "4": 0.02}}, "a-4096": json.loads(curve.read_text())}))
+    assert bench.load_curve(f"{several}:a-1024") == {1: 0.01, 4: 0.02}
+    for spec, message in ((str(several), "name one as .*:LABEL \\(a-1024, a-4096\\)"), (f"{several}:b", "no curve 'b'")):
+        with pytest.raises(ValueError, match=message):
+            bench.load_curve(spec)
 
 
 def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):

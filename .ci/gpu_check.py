@@ -1,20 +1,28 @@
-"""The GPU check, run by .ci/gpu: what this project has never measured, most valuable first, each
-part guarded and capped in time, every result appended to $OUT/gpu.md as it comes.
+"""The GPU check, run by .ci/gpu: what this project has never measured, most valuable first. Each
+part runs in a process of its own under a hard time cap (killed with its children when the cap
+runs out), and appends its results to $OUT/gpu.md as they come, so a part cut short keeps what it
+had and the next part still runs.
 
   (a) exactness: random tiny models of every family, float32 (and bfloat16 / float16 where the
-      device has them), eager and compiled: lookahead (fixed and dynamic) against greedy; on a
-      mismatch the first differing index and greedy's top-2 logit gap there; host syncs a step.
+      device has them), eager and compiled: lookahead (fixed and dynamic) against greedy, each
+      row on its own (one that raises says so and the rest go on); on a mismatch the first
+      differing index and greedy's top-2 logit gap there; host syncs a step.
   (b) the step-cost curve: ~1B and ~8B Llama shapes with random weights made on the device,
-      seconds a step for sizes 1, 2, 4, ... 256 at 1k and 4k committed tokens, eager and compiled;
-      a table, and a file per curve under $OUT/costs that `bench.py --costs FILE` reads.
-  (c) the real SmolLM2 where it travelled (MODEL, see models/README.md); one line where not.
+      seconds a step for sizes 1, 2, 4, ... 256 at 1k and 4k committed tokens, eager, then
+      compiled a size at a time (each size measured as soon as it is compiled); every curve in
+      $OUT/curves.json, which `bench.py --costs curves.json:LABEL` reads.
+  (c) the real SmolLM2 where it travelled (MODEL, see models/README.md), eager, then compiled
+      as `--compile` loads it; one line where it did not travel.
 
 It needs only torch, the repository and (for (c)) tokenizers and jinja2. DEVICE=cpu runs the
-same parts on tiny shapes (the dry form .ci/run runs, so that it cannot rot unseen).
+same parts on tiny shapes (the dry form .ci/run runs, so that it cannot rot unseen). Exit status:
+1 where a part raised or a float32 answer differed from greedy's; a cap that runs out is
+reported, and fails nothing (a slow or busy machine is not a broken one).
 """
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -29,41 +37,15 @@ DEV = torch.device(os.environ.get("DEVICE", "cuda"))
 DRY = DEV.type == "cpu"
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu-check")
 OUT.mkdir(parents=True, exist_ok=True)
-REPORT = OUT / "gpu.md"
-STARTED = time.time()
-FAILED = []  # the parts that raised: the exit status says so (.ci/run's dry form fails on one)
+REPORT, CURVES = OUT / "gpu.md", OUT / "curves.json"
+WRONG = 3  # a part's exit status where an answer that must equal greedy's did not
 
 
 def report(line=""):
-    """Print a line and append it to gpu.md at once: a run killed at its limit keeps what it had."""
+    """Print a line and append it to gpu.md at once: a part killed at its cap keeps what it had."""
     print(line, flush=True)
     with open(REPORT, "a") as f:
         f.write(line + "\n")
-
-
-class PartTimeout(Exception):
-    pass
-
-
-def part(name, cap, fn):
-    """Run one part under a time cap (SIGALRM), its traceback in the log on any error."""
-    report(f"\n## {name} (started {time.strftime('%H:%M:%S')}, +{time.time() - STARTED:.0f} s, cap {cap} s)\n")
-
-    def expire(*_):
-        raise PartTimeout(f"over its cap of {cap} s")
-    signal.signal(signal.SIGALRM, expire)
-    signal.alarm(cap)
-    start = time.perf_counter()
-    try:
-        fn()
-    except Exception as e:  # report and go on to the next part
-        FAILED.append(name)
-        report(f"- FAILED: {type(e).__name__}: {e}")
-        for line in traceback.format_exc().rstrip().splitlines():
-            report(f"    {line}")
-    finally:
-        signal.alarm(0)
-    report(f"\n[{name}: {time.perf_counter() - start:.0f} s]")
 
 
 def sync():
@@ -94,6 +76,16 @@ def dtypes():
     return out
 
 
+def device_name():
+    return torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "cpu"
+
+
+def cudagraph_skips() -> str:
+    """Inductor's count of compiled graphs run without a CUDA graph (notes: each is a lost replay)."""
+    from torch._dynamo.utils import counters
+    return "-" if DEV.type != "cuda" else str(counters["inductor"]["cudagraph_skips"])
+
+
 # --- (a) exactness ---------------------------------------------------------------------------
 
 def first_difference(model, prompt, want, got):
@@ -105,30 +97,39 @@ def first_difference(model, prompt, want, got):
     return f"first difference at token {i}, greedy's top-2 logit gap there {float(top[0] - top[1]):.2e}"
 
 
-def exactness():
+def exactness() -> bool:
     from conftest import FAMILY_OPTIONS, random_model
     from decoding import greedy_decode
     from engine import generate
     report("| family | dtype | step | fixed 2,3,2 | dynamic | host syncs a step: greedy, lookahead |")
     report("|---|---|---|---|---|---|")
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3]
+    exact = True
     for family, options in FAMILY_OPTIONS.items():
         for dtype in dtypes():
             for compiled in (False, True) if family == "llama" and dtype == torch.float32 else (False,):
-                model = random_model(3, dtype=dtype, vocab_size=32, **options).to(DEV)
-                if compiled:
-                    model.compile_steps((1, 16), 128)
-                want, g_syncs = counted_syncs(lambda: greedy_decode(model, prompt, 40))
-                cells = []
-                for options_ in (dict(window=2, ngram=3, candidates=2), {}):
-                    got, syncs = counted_syncs(lambda: generate(model, prompt, 40, **options_))
-                    same = got.tokens == want.tokens
-                    cells.append("identical" if same else f"DIFFERS: {first_difference(model, prompt, want.tokens, got.tokens)}")
-                    if not options_:
-                        l_syncs = None if syncs is None else syncs / max(got.steps, 1)
-                report(f"| {family} | {str(dtype)[6:]} | {'compiled' if compiled else 'eager'} | {cells[0]} | {cells[1]} | "
-                       f"{'-' if g_syncs is None else f'{g_syncs / max(want.steps, 1):.2f}'}, "
-                       f"{'-' if l_syncs is None else f'{l_syncs:.2f}'} |")
+                row = f"| {family} | {str(dtype)[6:]} | {'compiled' if compiled else 'eager'} |"
+                try:  # each row on its own: one that raises loses itself, not the rest
+                    model = random_model(3, dtype=dtype, vocab_size=32, **options).to(DEV)
+                    if compiled:
+                        model.compile_steps((1, 16), 128)
+                    want, g_syncs = counted_syncs(lambda: greedy_decode(model, prompt, 40))
+                    cells, l_syncs = [], None
+                    for options_ in (dict(window=2, ngram=3, candidates=2), {}):
+                        got, syncs = counted_syncs(lambda: generate(model, prompt, 40, **options_))
+                        same = got.tokens == want.tokens
+                        exact &= same or dtype != torch.float32  # half precision may round a near-tie apart
+                        cells.append("identical" if same else f"DIFFERS: {first_difference(model, prompt, want.tokens, got.tokens)}")
+                        if not options_ and syncs is not None:
+                            l_syncs = syncs / max(got.steps, 1)
+                    report(f"{row} {cells[0]} | {cells[1]} | "
+                           f"{'-' if g_syncs is None else f'{g_syncs / max(want.steps, 1):.2f}'}, "
+                           f"{'-' if l_syncs is None else f'{l_syncs:.2f}'} |")
+                except Exception as e:
+                    exact = False
+                    report(f"{row} FAILED: {type(e).__name__}: {str(e)[:200]} | | |")
+                    traceback.print_exc()
+    return exact
 
 
 # --- (b) the step-cost curve -----------------------------------------------------------------
@@ -139,7 +140,9 @@ SHAPES = {  # Llama 3.2 1B and Llama 3.1 8B; tiny stand-ins for the dry form
 }
 DRY_SHAPES = {"tiny-a": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128, vocab_size=256),
               "tiny-b": dict(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=16, hidden_dim=192, vocab_size=256)}
+SMALL, LARGE = DRY_SHAPES if DRY else SHAPES
 SIZES = (1, 2, 4, 8, 16) if DRY else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+COMPILED_SIZES = (1, 4) if DRY else (1, 4, 16, 64, 128, 256)  # the menu's landmarks
 CONTEXTS = (64, 128) if DRY else (1024, 4096)
 
 
@@ -174,62 +177,71 @@ def step_seconds(model, T: int, committed: int, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-COMPILED_SIZES = (1, 4) if DRY else (1, 4, 16, 64, 128, 256)  # each size a compile: the menu's landmarks
+def save_curve(label: str, **curve):
+    """Add one curve to curves.json (written whole, then renamed: never half a file)."""
+    curves = json.loads(CURVES.read_text()) if CURVES.exists() else {}
+    curves[label] = curve
+    tmp = CURVES.with_suffix(".tmp")
+    tmp.write_text(json.dumps(curves, indent=1))
+    tmp.replace(CURVES)
 
 
-def curves(names, compiled: bool):
+def curve(name: str, compiled: bool):
+    """One model's curve: a row a size (ms at each context, and x that context's 1-token step),
+    written as soon as the size is measured; compiled, each size is compiled just before. The
+    curves go to curves.json as LABEL: {"seconds": {"1": s, ...}, ...}."""
     dtype = torch.float32 if DRY else torch.bfloat16
-    shapes = DRY_SHAPES if DRY else SHAPES
-    sizes = COMPILED_SIZES if compiled else SIZES
-    for name in names:
-        shape = shapes[name]
-        model = random_llama(shape, dtype)
-        mode = "compiled" if compiled else "eager"
-        if compiled:
-            start = time.perf_counter()
-            model.compile_steps(sizes, max(CONTEXTS) + max(sizes))
-            report(f"- {name}: compiled {len(sizes)} sizes in {time.perf_counter() - start:.0f} s")
-        else:
-            model.cache.setup(max(CONTEXTS) + max(sizes))
-        with torch.inference_mode():
-            for context in CONTEXTS:
-                seconds = {T: step_seconds(model, T, context, 3 if DRY else 10) for T in sizes}
-                label = f"{name}-{str(dtype)[6:]}-{mode}-{context}"
-                (OUT / "costs").mkdir(exist_ok=True)
-                (OUT / "costs" / f"{label}.json").write_text(json.dumps(dict(
-                    model=name, shape=shape, dtype=str(dtype), mode=mode, context=context, device=device_name(),
-                    seconds={str(T): t for T, t in seconds.items()}), indent=1))
-                report(f"| {name} | {mode} | {context} | " + " | ".join(
-                    f"{1e3 * seconds[T]:.2f} ({seconds[T] / seconds[1]:.2f}x)" if T in seconds else "-"
-                    for T in SIZES) + " |")
-        del model
-        if DEV.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-def curve_header():
-    report("ms a step (x a 1-token step); the files under costs/ hold the seconds (bench.py --costs FILE)\n")
-    report("| model | step | committed | " + " | ".join(f"{T} tokens" for T in SIZES) + " |")
-    report("|---|---|---|" + "---|" * len(SIZES))
-
-
-def device_name():
-    return torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "cpu"
+    shape = (DRY_SHAPES if DRY else SHAPES)[name]
+    sizes, mode = (COMPILED_SIZES, "compiled") if compiled else (SIZES, "eager")
+    start = time.perf_counter()
+    model = random_llama(shape, dtype)
+    if compiled:
+        model.compile_steps((), max(CONTEXTS) + max(sizes))  # the cache; sizes added one by one below
+    else:
+        model.cache.setup(max(CONTEXTS) + max(sizes))
+    report(f"{name}, {str(dtype)[6:]}, {mode}: made on the device in {time.perf_counter() - start:.0f} s; "
+           "ms a step (x a 1-token step at that context)\n")
+    report("| model | step | size | " + " | ".join(f"{c} committed" for c in CONTEXTS) + " | compile (s) |")
+    report("|---|---|---|" + "---|" * len(CONTEXTS) + "---|")
+    seconds = {c: {} for c in CONTEXTS}
+    with torch.inference_mode():
+        for T in sizes:
+            compile_seconds = "-"
+            if compiled:
+                start = time.perf_counter()
+                model.compiled.add(T)
+                compile_seconds = f"{time.perf_counter() - start:.0f}"
+            for c in CONTEXTS:
+                seconds[c][T] = step_seconds(model, T, c, 3 if DRY else 10)
+                save_curve(f"{name}-{str(dtype)[6:]}-{mode}-{c}", model=name, shape=shape, dtype=str(dtype), mode=mode,
+                           context=c, device=device_name(), seconds={str(k): t for k, t in seconds[c].items()})
+            report(f"| {name} | {mode} | {T} | " + " | ".join(
+                f"{1e3 * seconds[c][T]:.2f} ({seconds[c][T] / seconds[c][1]:.2f}x)" for c in CONTEXTS)
+                + f" | {compile_seconds} |")
+    if compiled:
+        report(f"\nCUDA graph skips (inductor's count of graphs run without one): {cudagraph_skips()}")
+    report()
 
 
 # --- (c) the real SmolLM2 --------------------------------------------------------------------
 
-def smollm2():
+def smollm2(compiled: bool) -> bool:
     folder = os.environ.get("MODEL", "")
     if not folder or not (Path(folder) / "config.json").exists():
-        report(f"- SmolLM2 did not travel to this machine (MODEL={folder or 'unset'}): part (c) not run")
-        return
+        report(f"- SmolLM2 did not travel to this machine (MODEL={folder or 'unset'}): not run")
+        return True
     from decoding import greedy_decode
     from engine import generate
-    from model import Transformer
+    from model import STEP_SIZES, Transformer
     from tokenizer import Tokenizer
     tok = Tokenizer.from_pretrained(folder)
+    start = time.perf_counter()
     model = Transformer.from_pretrained(folder, DEV, torch.float32)
+    if compiled:  # as `--compile` loads it: every step size. The dry form traces them only (two
+        # minutes of C++ compiling on a CPU; (b) compiles for real on tiny shapes).
+        model.compile_steps(STEP_SIZES, 1024, backend="eager" if DRY else "inductor")
+        report(f"- compiled {len(model.compiled.sizes)} sizes in {time.perf_counter() - start:.0f} s"
+               + (" (traced only: the dry form)" if DRY else f", CUDA graph skips {cudagraph_skips()}") + "\n")
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in (
         "Count from 1 to 30, separated by commas.", "Explain what a hash table is in three sentences.",
         "Write a Python function that checks whether a number is prime.")]
@@ -239,29 +251,77 @@ def smollm2():
             ("dynamic", lambda ids: generate(model, ids, n, stop_ids=tok.stop_ids))]
     for _, run in runs:
         run(prompts[0])  # warm-up
-    report("| SmolLM2, float32, eager | tokens/s | tokens/step | host ms/step | host syncs/step | same as greedy |")
-    report("|---|---|---|---|---|---|")
-    base = []
+    step = "compiled" if compiled else "eager"
+    report(f"| SmolLM2, float32, {step} | tokens/s | x greedy | tokens/step | host ms/step | host syncs/step | same as greedy |")
+    report("|---|---|---|---|---|---|---|")
+    base, rate0, exact = [], None, True
     for name, run in runs:
         gens, syncs = zip(*(counted_syncs(lambda: run(ids)) for ids in prompts))
         base = base or [g.tokens for g in gens]
         steps = sum(g.steps for g in gens)
-        report(f"| {name} | {sum(len(g.tokens) for g in gens) / sum(g.seconds for g in gens):.1f} | "
-               f"{sum(sum(g.committed) for g in gens) / steps:.2f} | "
+        rate = sum(len(g.tokens) for g in gens) / sum(g.seconds for g in gens)
+        rate0 = rate0 or rate
+        same = [g.tokens for g in gens] == base
+        exact &= same
+        report(f"| {name} | {rate:.1f} | {rate / rate0:.2f} | {sum(sum(g.committed) for g in gens) / steps:.2f} | "
                f"{1e3 * sum(g.host_seconds for g in gens) / steps:.2f} | "
-               f"{'-' if syncs[0] is None else f'{sum(syncs) / steps:.2f}'} | "
-               f"{'yes' if [g.tokens for g in gens] == base else 'NO'} |")
+               f"{'-' if syncs[0] is None else f'{sum(syncs) / steps:.2f}'} | {'yes' if same else 'NO'} |")
+    return exact
+
+
+# --- the parts, each in its own process ------------------------------------------------------
+
+PARTS = {  # key: (title, cap in seconds on a GPU, on a CPU's dry form, what it runs)
+    "a": ("(a) exactness: tiny models of every family", 60, 90, exactness),
+    "b-eager": ("(b) the step-cost curves, eager", 45, 60,
+                lambda: [curve(name, False) for name in (SMALL, LARGE)]),
+    "b-small": (f"(b) the step-cost curve, compiled, {SMALL}", 90, 120, lambda: curve(SMALL, True)),
+    "b-large": (f"(b) the step-cost curve, compiled, {LARGE}", 90, 120, lambda: curve(LARGE, True)),
+    "c-eager": ("(c) the real SmolLM2, eager", 40, 90, lambda: smollm2(False)),
+    "c-compiled": ("(c) the real SmolLM2, compiled", 90, 150, lambda: smollm2(True)),
+}
+
+
+def run_part(key: str) -> int:
+    """In the part's own process: its exit status (0, 1 if it raised, WRONG if an answer was)."""
+    try:
+        return 0 if PARTS[key][3]() is not False else WRONG
+    except Exception as e:
+        report(f"- FAILED: {type(e).__name__}: {str(e)[:300]}")
+        traceback.print_exc()  # the whole traceback in gpu.log
+        return 1
+
+
+def main() -> int:
+    started = time.time()
+    report(f"# GPU check: {device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M:%S')}"
+           + (" (dry form: tiny shapes)" if DRY else ""))
+    caps = {key: cap_dry if DRY else cap for key, (_, cap, cap_dry, _) in PARTS.items()}
+    report("caps: " + ", ".join(f"{key} {cap} s" for key, cap in caps.items()) + f"; {sum(caps.values())} s in all")
+    failed, ran_out = [], []
+    for key, (title, *_) in PARTS.items():
+        report(f"\n## {title} (+{time.time() - started:.0f} s, cap {caps[key]} s)\n")
+        start = time.perf_counter()
+        # A process group of its own: inductor's compile workers die with it when the cap runs out.
+        env = dict(os.environ, TORCH_LOGS=os.environ.get("TORCH_LOGS", "perf_hints"))
+        proc = subprocess.Popen([sys.executable, __file__, key], start_new_session=True, env=env)
+        try:
+            status = proc.wait(timeout=caps[key])
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = None
+            ran_out.append(key)
+            report(f"- its cap of {caps[key]} s ran out: stopped, what it wrote above stands")
+        if status:
+            failed.append(key)
+            report(f"- FAILED ({'an answer differed from greedy' if status == WRONG else f'exit status {status}'})")
+        report(f"\n[{key}: {time.perf_counter() - start:.0f} s]")
+    report(f"\n[all parts: {time.time() - started:.0f} s"
+           + (f"; caps ran out: {', '.join(ran_out)}" if ran_out else "")
+           + (f"; FAILED: {', '.join(failed)}" if failed else "; none failed") + "]")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    report(f"# GPU check: {device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M:%S')}"
-           + (" (dry form: tiny shapes)" if DRY else ""))
-    small, large = DRY_SHAPES if DRY else SHAPES
-    part("(a) exactness: tiny models of every family", 60 if DRY else 90, exactness)
-    part("(b) the step-cost curve, eager", 30 if DRY else 60, lambda: (curve_header(), curves((small, large), False)))
-    part(f"(b) the step-cost curve, compiled, {small}", 60 if DRY else 130, lambda: (curve_header(), curves((small,), True)))
-    if not DRY:  # on a CPU one compiled curve shows the part works; each costs a compile a size
-        part(f"(b) the step-cost curve, compiled, {large}", 130, lambda: (curve_header(), curves((large,), True)))
-    part("(c) the real SmolLM2", 40 if DRY else 50, smollm2)
-    report(f"\n[all parts: {time.time() - STARTED:.0f} s{'; FAILED: ' + ', '.join(FAILED) if FAILED else ''}]")
-    sys.exit(1 if FAILED else 0)
+    sys.exit(run_part(sys.argv[1]) if len(sys.argv) > 1 else main())
