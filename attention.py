@@ -11,22 +11,26 @@ log of its softmax's normaliser. Two parts then merge into attention over both s
 so no (T, S) mask is ever built, and grouped-query heads share one mask entry per token.
 """
 import torch
+import torch.nn.functional as F
 
 
 def attention_with_lse(q, k, v, scale, mask=None, causal=False):
     """softmax(q k^T * scale + mask) v and each query's log-sum-exp (the softmax's normaliser),
     so that attention over two disjoint sets of keys merges exactly (merge). q (B, h, M, hd),
-    k and v (B, h, S, hd), mask additive, broadcast to (B, h, M, S). Fused through the kernels
-    SDPA itself calls, which return the log-sum-exp too (no (M, S) scores in memory); in plain
-    math elsewhere (float64 on a GPU: the fused kernel takes float32, float16 and bfloat16 only).
-    Returns out (B, h, M, hd) and lse (B, h, M, 1), float32 at least."""
+    k and v (B, h, S, hd), mask additive, broadcast to (B, h, M, S) (on a GPU its last
+    dimension may run past S: additive pads it, and the columns past S are never read). Fused
+    through the kernels SDPA itself calls, which return the log-sum-exp too (no (M, S) scores in
+    memory); in plain math elsewhere (float64 on a GPU: the fused kernel takes float32, float16
+    and bfloat16 only). Returns out (B, h, M, hd) and lse (B, h, M, 1), float32 at least."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                               scale=scale)
         return out, lse[..., None]
     if q.device.type == "cuda" and q.dtype != torch.float64:
+        if torch.compiler.is_compiling():  # one opaque op: the graph never sees its slices (efficient_attention_op)
+            return efficient_attention_op(q, k, v, mask, scale, causal)
         return efficient_attention(q, k, v, scale, mask, causal)
-    return plain_attention_with_lse(q, k, v, scale, mask, causal)
+    return plain_attention_with_lse(q, k, v, scale, None if mask is None else mask[..., :k.shape[2]], causal)
 
 
 def plain_attention_with_lse(q, k, v, scale, mask=None, causal=False):
@@ -41,23 +45,40 @@ def plain_attention_with_lse(q, k, v, scale, mask=None, causal=False):
 def efficient_attention(q, k, v, scale, mask=None, causal=False):
     """attention_with_lse through the CUDA memory-efficient kernel (it also runs on meta tensors,
     which is how a CPU checks its shapes). The kernel pads lse's rows to a multiple of 32."""
-    bias = None if mask is None else efficient_bias(mask, q.shape[:3])
+    bias = None if mask is None else efficient_bias(mask, (*q.shape[:3], k.shape[2]))
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
                                                                       scale=scale)[:2]
-    return out, lse[..., :q.shape[2], None]
+    return out, lse.narrow(-1, 0, q.shape[2])[..., None]
 
 
-def efficient_bias(mask, rows_shape):
-    """An additive mask as the efficient kernel reads it in place: (B, h, M, S) for rows_shape
-    (B, h, M), its rows starting on 16-element boundaries; a broadcast view (no copy) where the
-    mask's rows already are (step_masks builds them so on a GPU), else an aligned copy."""
-    S = mask.shape[-1]
-    view = mask.expand(*rows_shape, S)
+@torch.library.custom_op("lookahead::efficient_attention", mutates_args=())
+def efficient_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """efficient_attention as one operation that torch.compile does not look into. Inside it,
+    the mask's padding and lse's padded rows are sliced off: views whose layout depends on
+    whether the step's size (times the grouped heads) is a multiple of 16 or 32, which a
+    compiled graph would guard on, one graph more for each answer. Outside, both results are
+    fresh contiguous tensors, whatever the size."""
+    out, lse = efficient_attention(q, k, v, scale, mask, causal)
+    return out.contiguous(), lse.contiguous()
+
+
+@efficient_attention_op.register_fake
+def _(q, k, v, mask, scale, causal):
+    return q.new_empty(q.shape), q.new_empty((*q.shape[:3], 1), dtype=torch.float32)
+
+
+def efficient_bias(mask, shape):
+    """An additive mask as the efficient kernel reads it in place: (B, h, M, S) for shape, its
+    rows starting on 16-element boundaries; a broadcast view (no copy) where the mask's rows
+    already are (additive builds them so on a GPU), else an aligned copy."""
+    S = shape[-1]
+    view = mask[..., :S].expand(shape)
     if view.stride(-1) == 1 and all(stride % 16 == 0 for stride, n in zip(view.stride()[:-1], view.shape[:-1]) if n > 1):
         return view  # (additive's masks start where their storage does)
     aligned = mask.new_zeros(*mask.shape[:-1], -(-S // 16) * 16)
-    aligned[..., :S] = mask
-    return aligned[..., :S].expand(*rows_shape, S)
+    aligned[..., :S] = mask[..., :S]
+    return aligned[..., :S].expand(shape)
 
 
 def math_attention(q, k, v, scale, keep):
@@ -103,7 +124,7 @@ def step_masks(positions, committed, mask, lo: int, hi: int, dtype, sliding_wind
         keep = torch.ones(B, T, T, dtype=torch.bool, device=positions.device).tril() if mask is None else mask
         if sliding_window:
             keep = keep & (positions[:, :, None] - positions[:, None, :] < sliding_window)
-        own = additive(keep.repeat(1, groups, 1), dtype)[:, None]  # (B, 1, groups * T, T)
+        own = additive(keep.repeat(1, groups, 1), dtype)[:, None]  # (B, 1, groups * T, T; on a GPU padded to 16)
     if committed is None or hi == 0:
         return own, None
     end = hi
@@ -119,11 +140,14 @@ def step_masks(positions, committed, mask, lo: int, hi: int, dtype, sliding_wind
     return own, (start, end, None if lo == hi else additive(seen, dtype)[:, None, None])  # (B, 1, 1, S)
 
 
-def additive(keep, dtype):
-    """A boolean mask as attention's additive one: 0 where kept, -inf elsewhere; on a GPU its
-    rows start on 16-element boundaries (efficient_bias then reads it in place in every layer)."""
-    if keep.device.type != "cuda":
+def additive(keep, dtype, padded=None):
+    """A boolean mask as attention's additive one: 0 where kept, -inf elsewhere. On a GPU
+    (padded, by default where keep is on CUDA) its last dimension is rounded up to 16, the
+    added columns masked too and never read: every row then starts on a 16-element boundary,
+    where efficient_bias reads it in place in every layer, and it is a tensor of its own, not a
+    view of a wider one (a compiled step would guard on the view's layout)."""
+    if not (keep.device.type == "cuda" if padded is None else padded):
         return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
     S = keep.shape[-1]
-    out = torch.zeros(*keep.shape[:-1], -(-S // 16) * 16, dtype=dtype, device=keep.device)[..., :S]
-    return out.masked_fill_(~keep, float("-inf"))
+    keep = F.pad(keep, (0, -(-S // 16) * 16 - S))  # (..., S rounded up to 16): False past S
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))

@@ -638,41 +638,58 @@ def test_the_fused_kernels_take_the_arguments_the_code_passes():
 
 @pytest.mark.parametrize("shape", [(2, 1, 7, 7), (2, 1, 1, 37), (1, 1, 5, 16)])
 def test_the_efficient_kernels_bias_is_aligned_expanded_and_equal(shape):
-    from attention import efficient_bias
+    from attention import additive, efficient_bias
     mask = torch.randn(shape, dtype=torch.float16)
-    bias = efficient_bias(mask, (shape[0], 6, shape[2]))
+    bias = efficient_bias(mask, (shape[0], 6, shape[2], shape[3]))
     assert bias.shape == (shape[0], 6, shape[2], shape[3]) and bias.dtype == torch.float16 and bias.stride(-1) == 1
     assert all(s % 16 == 0 for s, n in zip(bias.stride()[:-1], bias.shape[:-1]) if n > 1)  # rows 16-aligned
     assert torch.equal(bias, mask.expand_as(bias))
-    # A mask laid out aligned already (as step_masks builds them on a GPU) is read in place.
-    padded = torch.zeros(*shape[:-1], -(-shape[-1] // 16) * 16, dtype=torch.float16)[..., :shape[-1]]
-    assert efficient_bias(padded, (shape[0], 6, shape[2])).data_ptr() == padded.data_ptr()
+    # A mask laid out as additive lays it out on a GPU (its last dimension padded to 16, the
+    # padding masked) is read in place, the padding left out.
+    keep = torch.rand(shape) < 0.7
+    padded = additive(keep, torch.float16, padded=True)
+    assert padded.shape[-1] == -(-shape[-1] // 16) * 16 and bool((padded[..., shape[-1]:] == float("-inf")).all())
+    bias = efficient_bias(padded, (shape[0], 6, shape[2], shape[3]))
+    assert bias.data_ptr() == padded.data_ptr()
+    assert torch.equal(bias, additive(keep, torch.float16, padded=False).expand_as(bias))
 
 
-def test_the_cuda_attention_branch_on_meta_tensors_compiles_once_for_two_cache_widths(monkeypatch):
-    # The CUDA branch of a step's attention (Attention.attend through the memory-efficient
-    # kernel), on meta tensors: grouped heads (g = 3), an odd step of T = 7 under a (B, 1, g*T, T)
-    # mask (the g heads of a K/V head folded into one query), the committed prefix under a (B, 1, 1, S) mask, the kernel's padded log-sum-exp rows
-    # sliced; compiled as the GPU compiles it, whole (fullgraph) and once for two cache widths.
+def test_the_cuda_attention_branch_on_meta_tensors_compiles_one_graph_for_every_step_size_and_width(monkeypatch):
+    # The CUDA branch of a step's attention as a compiled step runs it (Attention.attend through
+    # the memory-efficient kernel, efficient_attention_op), on meta tensors: grouped heads (g =
+    # 4), a (B, 1, g*T, T) mask (the g heads of a K/V head folded into one query) and the
+    # committed prefix's (B, 1, 1, S), both laid out as additive lays them out on a GPU. The
+    # kernel pads lse's rows to 32 and the masks' to 16: sliced in the graph, each padding made
+    # a graph of its own (an H200 compiled sizes 1, 4 and 16 apart, 60-100 s each). One graph
+    # must serve every step size from 2 and two cache widths.
+    import attention
     import model as model_module
-    from attention import efficient_attention
     from torch._dynamo.testing import CompileCounterWithBackend
-    monkeypatch.setattr(model_module, "attention_with_lse", efficient_attention)
-    args = tiny_args(n_heads=6, n_kv_heads=2, head_dim=64)
+    monkeypatch.setattr(model_module, "attention_with_lse", lambda q, k, v, scale, mask=None, causal=False:
+                        attention.efficient_attention_op(q, k, v, mask, scale, causal))
+    # Sizes no step size equals (3 K/V heads of 72): as graph inputs here, not a model's static
+    # weights, a dimension equal to T would be tied to it (dynamo's duck sizing).
+    args = tiny_args(n_heads=12, n_kv_heads=3, head_dim=72)
     with torch.device("meta"):
         attn = model_module.Attention(args)
-        attn.k_cache, attn.v_cache = torch.empty(2, 2, 600, 64), torch.empty(2, 2, 600, 64)
+        attn.k_cache, attn.v_cache = torch.empty(1, 3, 600, 72), torch.empty(1, 3, 600, 72)
     counter = CompileCounterWithBackend("aot_eager")
-    # The width a graph argument, as CompiledStep passes it (the bucket of the cache it reads).
-    attend = torch.compile(lambda q, k, v, own, width, prefix: attn.attend(q, k, v, own, (0, width, prefix), slice(0, 2)),
-                           backend=counter, dynamic=True, fullgraph=True)
+
+    def step(q, k, v, keep, seen):  # as step_masks builds the masks on a GPU; the width a graph argument, as CompiledStep passes it
+        own = attention.additive(keep.repeat(1, 4, 1), torch.float32, padded=True)[:, None]  # (1, 1, 4T, T padded)
+        prefix = attention.additive(seen, torch.float32, padded=True)[:, None, None]  # (1, 1, 1, S padded)
+        return attn.attend(q, k, v, own, (0, seen.shape[-1], prefix), slice(0, 1))
+
+    attend = torch.compile(step, backend=counter, dynamic=True, fullgraph=True)
     m = lambda *s: torch.empty(*s, device="meta")
-    compiled = []
+    first = 0
     for S in (300, 520):
-        out = attend(m(2, 6, 7, 64), m(2, 2, 7, 64), m(2, 2, 7, 64), m(2, 1, 3 * 7, 7), S, m(2, 1, 1, S))
-        assert out.shape == (2, 6, 7, 64)
-        compiled.append(counter.frame_count)
-    assert compiled[0] >= 1 and compiled[1] == compiled[0]  # the second width compiled nothing new
+        for T in (2, 4, 8, 16, 32, 64, 128):
+            out = attend(m(1, 12, T, 72), m(1, 3, T, 72), m(1, 3, T, 72),
+                         torch.ones(1, T, T, dtype=torch.bool, device="meta"), torch.ones(1, S, dtype=torch.bool, device="meta"))
+            assert out.shape == (1, 12, T, 72)
+            first = first or counter.frame_count
+    assert counter.frame_count == first  # what the first call compiled served every other
 
 
 class Reached(Exception):
