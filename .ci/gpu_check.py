@@ -271,15 +271,19 @@ def smollm2(compiled: bool) -> bool:
 
 # --- the parts, each in its own process ------------------------------------------------------
 
+# Most valuable first; caps from the H200's run (docs/PERFORMANCE.md): a compiled graph takes
+# 60-100 s there, and a model compiles two (size 1, and every size from 2). What is left of
+# TOTAL caps each part, and a part with less than a minute left is dropped, saying so.
 PARTS = {  # key: (title, cap in seconds on a GPU, on a CPU's dry form, what it runs)
     "a": ("(a) exactness: tiny models of every family", 60, 90, exactness),
-    "b-eager": ("(b) the step-cost curves, eager", 45, 60,
-                lambda: [curve(name, False) for name in (SMALL, LARGE)]),
-    "b-small": (f"(b) the step-cost curve, compiled, {SMALL}", 90, 120, lambda: curve(SMALL, True)),
-    "b-large": (f"(b) the step-cost curve, compiled, {LARGE}", 90, 120, lambda: curve(LARGE, True)),
+    "b-eager": ("(b) the step-cost curves, eager", 40, 60, lambda: [curve(name, False) for name in (SMALL, LARGE)]),
+    "b-small": (f"(b) the step-cost curve, compiled, {SMALL}", 180, 120, lambda: curve(SMALL, True)),
     "c-eager": ("(c) the real SmolLM2, eager", 40, 90, lambda: smollm2(False)),
-    "c-compiled": ("(c) the real SmolLM2, compiled", 90, 150, lambda: smollm2(True)),
+    "c-compiled": ("(c) the real SmolLM2, compiled", 180, 150, lambda: smollm2(True)),
+    "b-large": (f"(b) the step-cost curve, compiled, {LARGE}", 180, 120, lambda: curve(LARGE, True)),
 }
+TOTAL = 600 if DRY else 480  # seconds for every part together (a GPU's: 8 minutes)
+LEAST = 60  # a part with less than this left of TOTAL is not started
 
 
 def run_part(key: str) -> int:
@@ -297,10 +301,16 @@ def main() -> int:
     report(f"# GPU check: {device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M:%S')}"
            + (" (dry form: tiny shapes)" if DRY else ""))
     caps = {key: cap_dry if DRY else cap for key, (_, cap, cap_dry, _) in PARTS.items()}
-    report("caps: " + ", ".join(f"{key} {cap} s" for key, cap in caps.items()) + f"; {sum(caps.values())} s in all")
-    failed, ran_out = [], []
+    report("caps: " + ", ".join(f"{key} {cap} s" for key, cap in caps.items()) + f"; {TOTAL} s in all at most")
+    failed, ran_out, dropped = [], [], []
     for key, (title, *_) in PARTS.items():
-        report(f"\n## {title} (+{time.time() - started:.0f} s, cap {caps[key]} s)\n")
+        left = TOTAL - (time.time() - started)
+        report(f"\n## {title} (+{time.time() - started:.0f} s, cap {min(caps[key], max(left, 0)):.0f} s)\n")
+        if left < LEAST:
+            dropped.append(key)
+            report(f"- dropped: {left:.0f} s left of the check's {TOTAL} s, under the {LEAST} s a part needs")
+            continue
+        caps[key] = int(min(caps[key], left))
         start = time.perf_counter()
         # A process group of its own: inductor's compile workers die with it when the cap runs out.
         env = dict(os.environ, TORCH_LOGS=os.environ.get("TORCH_LOGS", "perf_hints"))
@@ -319,6 +329,7 @@ def main() -> int:
         report(f"\n[{key}: {time.perf_counter() - start:.0f} s]")
     report(f"\n[all parts: {time.time() - started:.0f} s"
            + (f"; caps ran out: {', '.join(ran_out)}" if ran_out else "")
+           + (f"; dropped: {', '.join(dropped)}" if dropped else "")
            + (f"; FAILED: {', '.join(failed)}" if failed else "; none failed") + "]")
     return 1 if failed else 0
 
