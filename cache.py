@@ -47,20 +47,27 @@ class KVCache:
             attn.k_cache, attn.v_cache = attn.k_cache[:n], attn.v_cache[:n]
 
     def rollback(self, moves: list[list[tuple[int, int]]]):
-        """Copy row b's K/V from slot `from` to slot `to` for each (from, to) of moves[b], in every
-        layer: one gather and scatter per layer for all rows. A lookahead step's forward does the
-        same for the step before (model.Attention, `moves`); this is for when no forward follows."""
+        """Copy row b's K/V from slot `from` to slot `to` for each (from, to) of moves[b]
+        (lookahead.rollback_moves), in every layer: one gather and scatter per layer for all
+        rows, now. The engine defers them into the next step's forward instead
+        (model.Attention's `moves`, the same move_kv); this is for when no forward follows."""
         n, dev = max(map(len, moves)), self.attentions[0].k_cache.device
         if not n:
             return
         pairs = torch.tensor([m + [(0, 0)] * (n - len(m)) for m in moves], device=dev)  # (B, n, 2); (0, 0): a no-op
-        src, dst = pairs[..., 0], pairs[..., 1]
         rows = torch.arange(len(moves), device=dev)[:, None]
         for attn in self.attentions:
             for cache in (attn.k_cache, attn.v_cache):
-                cache[rows, :, dst] = cache[rows, :, src]  # gathered first, then written: overlaps are safe
+                move_kv(cache, rows, pairs[..., 0], pairs[..., 1])
 
     def kv(self) -> torch.Tensor:
         """Every layer's K and V stacked, (n_layers, 2, rows, n_kv_heads, slots, head_dim): a
         copy, to inspect the cache."""
         return torch.stack([torch.stack((a.k_cache, a.v_cache)) for a in self.attentions])
+
+
+def move_kv(cache, rows, moves_from, moves_to):
+    """The roll back's copy in one layer's K or V (B, n_kv_heads, slots, head_dim): row rows[b]'s
+    slot moves_from[b, i] to moves_to[b, i], every one gathered before any is written, so moves
+    that overlap (a slot both read and written) are safe."""
+    cache[rows, :, moves_to] = cache[rows, :, moves_from]

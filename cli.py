@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 
 from decoding import Generation, Sampling, greedy_decode, greedy_decode_batch, sample_decode
-from explain import explain_step
+from explain import Explainer
 from drafts import DraftSource, JacobiGuess, Memory
 import lookahead
 from engine import generate, generate_batch
@@ -288,13 +288,12 @@ def main(argv=None):
             return run_batch(args, model, tokenizer, [encode(p) for p in args.prompts], stop_ids)
         prompt_ids = encode(args.prompt)
 
-        def explain(step):
-            if explained[0] < args.explain:
-                explained[0] += 1
-                print("\n" + explain_step(explained[0], step, lambda t: repr(tokenizer.decode([t]))),
-                      file=sys.stderr, flush=True)
+        explainer = Explainer(lambda t: repr(tokenizer.decode([t])))
 
-        explained = [0]
+        def explain(step):
+            if explainer.number < args.explain:
+                print("\n" + explainer(step), file=sys.stderr, flush=True)
+
         def run(greedy: bool, stream: bool) -> Generation:
             out = TextStream(tokenizer)
             stop = set(stop_ids)

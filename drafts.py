@@ -9,18 +9,49 @@ from dataclasses import dataclass
 
 import torch
 
-import lookahead
 from decoding import prefill
-from lookahead import NGramPool
+from lookahead import NGramPool, Tree
 
 
 @dataclass(slots=True)
-class Candidate(lookahead.Candidate):
-    """lookahead.Candidate with the chances its source states, which only the dynamic shape
-    (shape.DynamicShape) reads: `prior`, that its first guess is right before any was seen, and
-    `prior_next`, that each later guess is once the one before it was right (None: `prior`)."""
+class Candidate:
+    """A chain of guesses continuing `last` (lookahead.py's candidate), with what the engine
+    reads of it: `source`, the label of who proposed it; `from_window`, whether the lookahead
+    window made it (the pool's); and the chances its source states, which only the dynamic
+    shape (shape.DynamicShape) reads: `prior`, that its first guess is right before any was
+    seen, and `prior_next`, that each later guess is once the one before it was right (None:
+    `prior`)."""
+    tokens: tuple
+    source: str
+    from_window: bool = False
     prior: float = 0.3
     prior_next: float | None = None
+
+
+class CandidateTree(Tree):
+    """lookahead.Tree built from Candidates, with what the engine reads of it: the candidates
+    merged (empty ones left out), origin[node], the index of the first candidate through the
+    node (node 0, `last`: None), and first_chain."""
+
+    def __init__(self, last: int, candidates=()):
+        self.candidates: list[Candidate] = []
+        self.origin: list[int | None] = [None]
+        super().__init__(last, candidates)
+
+    def add(self, candidate: Candidate):
+        if not candidate.tokens:
+            return
+        n = len(self.tokens)
+        super().add(candidate.tokens)
+        self.origin += [len(self.candidates)] * (len(self.tokens) - n)
+        self.candidates.append(candidate)
+
+    def first_chain(self, node) -> list[int]:
+        """Node, its first child, that one's first child, ...: the best-ranked candidate's rest."""
+        out = [node]
+        while self.children[out[-1]]:
+            out.append(next(iter(self.children[out[-1]].values())))
+        return out
 
 
 class DraftSource:
@@ -104,10 +135,39 @@ class DraftSource:
 class PoolSource(NGramPool, DraftSource):
     """The paper's n-gram pool as a draft source: the n-grams that start with `last`, those seen
     after the token before it first. Their labels tell the dynamic shape the two apart: "pool2"
-    (two tokens of context matched: likelier), "pool1" (only `last`)."""
+    (two tokens of context matched: likelier), "pool1" (only `last`). Beside lookahead.NGramPool,
+    each n-gram remembers whether the window made it (Candidate.from_window: the dynamic shape
+    weighs the window by it), and a Memory's table may be shared (remember)."""
 
     def remember(self, memory):
         self.by_key = memory.ngrams  # shared: what other rows and requests pooled
+
+    def add(self, ngram, before=None, from_window=False):
+        if self.cap == 0:
+            return
+        key, rest = ngram[0], tuple(ngram[1:])
+        entries = self.by_key.get(key)
+        if entries is None:
+            entries = {}
+        self.by_key[key] = entries  # written again: a Memory's table keeps the recently written
+        entry = entries.pop(rest, None)  # seen again: it moves to the end, the most recent
+        if entry is None:
+            entry = [(), from_window]
+            if len(entries) >= self.cap:  # >=: a shared table may hold what a larger cap pooled
+                del entries[next(iter(entries))]
+        entries[rest] = entry
+        if before is not None and before not in entry[0]:
+            entry[0] += (before,)
+
+    def add_window(self, completed):
+        """Pool the n-grams the window completed (lookahead.update_window's (n-gram, token before))."""
+        for ngram, before in completed:
+            self.add(ngram, before, from_window=True)
+
+    def ranked(self, key, before=None) -> list[tuple]:
+        """lookahead.NGramPool.ranked's order, as (rest, seen after `before`?, from the window?)."""
+        entries = [(rest, before in seen, win) for rest, (seen, win) in reversed(self.by_key.get(key, {}).items())]
+        return [e for e in entries if e[1]] + [e for e in entries if not e[1]]
 
     def propose(self, seq, k):
         return [Candidate(rest[:k], "pool2", win, prior=0.5) if after else Candidate(rest[:k], "pool1", win, prior=0.3)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from decoding import Generation, before_step, check_requests, drop_finished, ensure_cache, per_row
-from drafts import Candidate, JacobiGuess, PoolSource, predictions, prefill_with_rankings
-from lookahead import StepRecord, Tree, commit, fill_window, update_window, verify_greedy
+from drafts import Candidate, CandidateTree, JacobiGuess, PoolSource, predictions, prefill_with_rankings
+from lookahead import StepRecord, commit, fill_window, rollback_moves, update_window, verify_greedy
 from sampling import Sampling, verify_sampled
 from shape import Shape, shape_policy
 from step_inputs import StepBuffer, pack_inputs, rollback_now, row_inputs, step_buffer
@@ -33,11 +33,19 @@ from suffix import SuffixSource
 
 @dataclass
 class RowStep(StepRecord):
-    """What one row's step did, for the draft sources, the policy and --explain: the
-    reference's record and what the engine adds."""
+    """What one row's step did, for the draft sources and the policy: the reference's record
+    (its tree a drafts.CandidateTree) and what the engine adds."""
     rankings: list | None = None  # the model's best tokens after each position read, if a draft source reads them
     slots: list = None  # the cache slots holding the committed tokens' K/V (`last`'s first)
     shape: Shape = None
+
+    @property
+    def columns(self) -> int:
+        return len(self.window[0]) if self.window else 0
+
+    @property
+    def winner(self) -> int | None:  # the candidate whose guesses were accepted (the first through them)
+        return self.tree.origin[self.path[-1]] if self.path else None
 
 
 class Sequence:
@@ -92,27 +100,27 @@ class Sequence:
             source.observe(self, step)
             self.spent[source] += time.perf_counter() - start
 
-    def inputs(self, tree: Tree, w: int, size: int, mask):
+    def inputs(self, tree: CandidateTree, w: int, size: int, mask):
         """row_inputs with w window columns (lookahead.fill_window), the mask written into `mask`."""
         if w:
             self.window = fill_window(self.window, w, self.prompt, self.window_rng)
         return row_inputs(tree, self.window, w, size, mask)
 
-    def advance(self, tree: Tree, w: int, pred: list[int], rankings, path: list[int], bonus: int,
+    def advance(self, tree: CandidateTree, w: int, pred: list[int], rankings, path: list[int], bonus: int,
                 shape: Shape) -> RowStep:
         """6 and 7, once verification accepted `path` and `bonus`; the K/V to keep (8) are in
         `slots`: `last`'s, then each accepted node i's, in slot C + i."""
-        slots = [self.C] + [self.C + v for v in path]
-        self.moves = [(s, d) for d, s in enumerate(slots, start=self.C) if s != d]  # 8, for the next forward
+        C, slots = self.C, [self.C] + [self.C + v for v in path]
         self.C += len(slots)
         window = self.window[:] if w else []
         # 6. The window moves on before the commit pools the committed text's n-grams.
-        new_level = pred[len(tree):len(tree) + w]
-        pooled = update_window(self.window, new_level, self.pool, tree.tokens[0], self.N) if w else []
+        completed = update_window(self.window, pred[len(tree):len(tree) + w], tree.tokens[0], self.N) if w else []
+        self.pool.add_window(completed)
         # 7. Commit, stopping exactly where greedy would; then every draft source sees the step.
         committed = commit(self.prompt, self.tokens, [tree.tokens[v] for v in path] + [bonus], self.max_new,
                            self.stop, self.pool if self.output_ngrams else None, self.N)
-        step = RowStep(tree, window, pred, path, committed, pooled, rankings, slots, shape)
+        step = RowStep(C, tree, window, pred, path, committed, [ngram for ngram, _ in completed], rankings, slots,
+                       shape)
         self.observed(step)
         self.out.steps += 1
         self.out.committed.append(len(committed))
@@ -127,7 +135,7 @@ def batch_step(model, policy, rows: list[Sequence], buffer: StepBuffer, on_step=
     limit = before_step(model, policy, rows)  # the most tokens a step may hold: cache and policy
     # 1. Candidates: the asked sources' (the pool's n-grams that start with `last`, the Jacobi
     #    guess, any other), merged into the trie.
-    trees = [Tree(row.tokens[-1], row.propose(policy)) for row in rows]
+    trees = [CandidateTree(row.tokens[-1], row.propose(policy)) for row in rows]
     # 2. Plan and window: the policy picks the guesses and window columns each row runs, padded
     #    to one size T of a small menu (1, 2, 4, ... tokens).
     plans = policy.plan(rows, trees, limit)
@@ -145,8 +153,14 @@ def batch_step(model, policy, rows: list[Sequence], buffer: StepBuffer, on_step=
     # 5 to 7. Verify, the Jacobi update and the commit (Sequence.advance).
     steps = [row.advance(tree, w, pred[j], rankings[j], *verify(row, tree, pred[j], logits, j), shape)
              for j, (row, (tree, w, shape)) in enumerate(zip(rows, plans))]
-    # 8. Roll back: each row's accepted K/V move next to `last` in the next forward (row.moves),
-    #    in every layer before it reads the cache (in a compiled step, inside its graph).
+    # 8. Roll back: each row's accepted K/V move next to `last`'s (lookahead.rollback_moves).
+    #    Deferred: the moves ride in the next step's inputs (step_inputs.pack_inputs), and every
+    #    layer of that forward makes them before it reads the cache (model.Attention; in a
+    #    compiled step, inside its graph), so they cost no launch or sync of their own. Where no
+    #    forward follows (rows leaving the batch, the request's end), step_inputs.rollback_now
+    #    makes them at once (cache.KVCache.rollback). Both copy with cache.move_kv.
+    for row, step in zip(rows, steps):
+        row.moves = rollback_moves(step.C, step.path)
     seconds = time.perf_counter() - start
     policy.observe(rows, steps, T, seconds)
     host = time.perf_counter() - start - forward  # all but the forward, argmax and top-k: host work
@@ -156,7 +170,7 @@ def batch_step(model, policy, rows: list[Sequence], buffer: StepBuffer, on_step=
         on_step and on_step(j, step)
 
 
-def verify(row: Sequence, tree: Tree, pred: list[int], logits, j: int) -> tuple[list[int], int]:
+def verify(row: Sequence, tree: CandidateTree, pred: list[int], logits, j: int) -> tuple[list[int], int]:
     """5. Verify the guesses against the model's own choices (greedy: lookahead.verify_greedy;
     sampling: a rejection test on row j's logits that keeps plain sampling's distribution)."""
     if row.sampling.greedy:
@@ -175,7 +189,7 @@ def start_rows(model, rows: list[Sequence], sampling: Sampling, expected_guesses
         kept = commit(row.prompt, row.tokens, first[b:b + 1], row.max_new, row.stop,
                       row.pool if row.output_ngrams else None, row.N)
         # The sources see the first token as a step with no guesses: every committed token once.
-        row.observed(RowStep(Tree(row.prompt[-1]), [], first[b:b + 1], [], kept, [], None, []))
+        row.observed(RowStep(row.C - 1, CandidateTree(row.prompt[-1]), [], first[b:b + 1], [], kept, [], None, []))
         on_tokens and on_tokens(b, kept)
 
 

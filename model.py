@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import attention_with_lse, math_attention, merge, step_masks
-from cache import KVCache
+from cache import KVCache, move_kv
 from checkpoint import check_device_dtype, hf_model_args, read_config, read_weights
 from linear import Linear, tune_cpu_products
 
@@ -34,7 +34,7 @@ COMPILED_CACHE = 4096  # a compiled model's cache slots unless asked otherwise (
 
 
 def step_size(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+    return 1 << (n - 1).bit_length()  # the smallest power of two >= n
 
 
 def cache_bucket(used: int, cache_len: int) -> int:
@@ -176,9 +176,9 @@ class Attention(nn.Module):
         v = qkv[:, :, H + Hkv:].transpose(1, 2)
         if slots is not None:
             batch, slot = slots
-            if moves is not None:  # the accepted K/V of the step before, next to its committed ones
+            if moves is not None:  # the step before's roll back: its accepted K/V next to its committed ones
                 for cache in (self.k_cache[rows], self.v_cache[rows]):
-                    cache[batch, :, moves[:, 1]] = cache[batch, :, moves[:, 0]]  # gathered first: overlaps are safe
+                    move_kv(cache, batch, moves[:, 0], moves[:, 1])
             # Keep this call's K/V: token t of row b in slot slot[b, t] of its cache row.
             index = (batch, slice(None), slot)  # as (B, T, Hkv, hd)
             self.k_cache[rows][index] = k.transpose(1, 2)  # a view of the buffer, written in place

@@ -119,7 +119,7 @@ class TokenRecycling(DraftSource):
         for v, (token, best) in enumerate(zip(tree.tokens, step.rankings)):  # every guess, accepted or rejected
             self.next[token] = best
             self.next2[before_last if v == 0 else tree.tokens[tree.parent[v]], token] = best
-        newest = step.window[-1] if step.window else []  # the rest of what the step read (StepRecord.read)
+        newest = step.window[-1] if step.window else []  # the rest of what the step read (the trie, then this)
         for token, best in zip(newest, step.rankings[n:]):  # the window's: where nothing else is known
             if token not in self.next:
                 self.next[token] = best

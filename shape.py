@@ -19,7 +19,9 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import NamedTuple
 
+from lookahead import pool_cap
 from model import STEP_SIZES, step_size
 
 # The dynamic shape's limits: window columns, pooled n-grams per key, tokens per step.
@@ -39,6 +41,25 @@ class Shape:
     size: int
     expected: float = 0.0
     cost: float = 0.0
+
+
+class Plan(NamedTuple):
+    """A policy's plan for one row's step: the trie of guesses to verify (a drafts.CandidateTree),
+    the window columns to run, and the step's Shape."""
+    tree: object
+    columns: int
+    shape: Shape
+
+
+class RowState(NamedTuple):
+    """What choose_shape weighs for one row: its trie of candidates, its Acceptance, the window's
+    levels now (1 while it has none), the most window columns it may run, and whether its Jacobi
+    guess is asked this step (step_values' bonus)."""
+    tree: object
+    acceptance: "Acceptance"
+    levels: int
+    max_window: int
+    jacobi: bool
 
 
 def shape_policy(model, window, ngram, candidates, costs):
@@ -65,7 +86,7 @@ class FixedShape:
         if W < 0 or G < 0:
             raise ValueError(f"need window >= 0 and candidates >= 0 (got {W}, {G})")
         self.W, self.N, self.G = W, N, G
-        self.pool_cap = max(G, 8) if G else 0  # a few n-grams per key even for a small G, to rank from
+        self.pool_cap = pool_cap(G)  # as the reference's pool: a few n-grams a key even for a small G
         self.paper_step = step_size(1 + (W + G) * (N - 1))  # `last`, the window and the pool's G candidates
         self.largest = MAX_STEP
 
@@ -76,8 +97,8 @@ class FixedShape:
     def proposers(self, row) -> list:
         return row.sources  # every source, every step
 
-    def plan(self, rows, trees, limit: int) -> list[tuple]:
-        """For every row: (the trie to verify, window columns, Shape), within `limit` tokens."""
+    def plan(self, rows, trees, limit: int) -> list[Plan]:
+        """For every row its Plan, within `limit` tokens."""
         return [self.plan_row(row, tree, limit) for row, tree in zip(rows, trees)]
 
     def plan_row(self, row, tree, limit: int):
@@ -89,8 +110,11 @@ class FixedShape:
         L = len(row.window) or 1  # a window starts with one level
         w = self.W if step_size(len(tree) + self.W * L) <= limit else 0
         if step_size(len(tree) + w * L) > limit:
-            tree = keep(tree, range(1, 1 << (limit.bit_length() - 1)))
-        return tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L))
+            # Too many guesses even alone: the first nodes, as many as fit with `last` in the
+            # largest step size (a power of two) within the limit.
+            largest = 1 << (limit.bit_length() - 1)
+            tree = keep(tree, range(1, largest))
+        return Plan(tree, w, Shape(w, L if w else 0, len(tree) - 1, step_size(len(tree) + w * L)))
 
     def expected_size(self, B: int) -> int:
         return self.paper_step
@@ -127,9 +151,10 @@ class DynamicShape:
     def proposers(self, row) -> list:
         return once(self.ledgers, row, lambda: SourceLedger(row.sources)).proposers()
 
-    def plan(self, rows, trees, limit: int) -> list[tuple]:
-        return choose_shape([(tree, once(self.acceptance, row, Acceptance), len(row.window) or 1, MAX_WINDOW,
-                               row.jacobi in row.proposers) for row, tree in zip(rows, trees)], self.costs(len(rows)), limit)
+    def plan(self, rows, trees, limit: int) -> list[Plan]:
+        return choose_shape([RowState(tree, once(self.acceptance, row, Acceptance), len(row.window) or 1, MAX_WINDOW,
+                                      row.jacobi in row.proposers) for row, tree in zip(rows, trees)],
+                            self.costs(len(rows)), limit)
 
     def observe(self, rows, steps, T: int, seconds: float):
         for row, step in zip(rows, steps):
@@ -224,7 +249,7 @@ class StepCosts:
     @classmethod
     def flat(cls, largest: int = STEP_SIZES[-1]) -> "StepCosts":
         """Every size up to `largest` costs the same: what the policy does where steps are free."""
-        return cls({1 << i: 1.0 for i in range(largest.bit_length())})
+        return cls({1 << i: 1.0 for i in range(largest.bit_length())})  # the powers of two up to largest
 
     def expected_size(self) -> int:
         """The largest step worth guessing for next: one rung above what the last 8 steps held
@@ -362,7 +387,7 @@ def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limi
     order = sorted(range(1, len(tree)), key=lambda i: (-value[i], tree.depth[i]))
     prefix = list(accumulate((value[i] for i in order), initial=0.0))  # the value of the best n: prefix[n]
     col_value = acceptance.window_yield()
-    widths = [0] + [1 << i for i in range(max_window.bit_length())]  # 0, 1, 2, 4, ... up to max_window
+    widths = [0] + [1 << i for i in range(max_window.bit_length())]  # 0 and the powers of two to max_window
     best, here, size = {}, (1.0, 0, 0), 1  # `last` alone, or a smaller step padded
     while size <= limit:
         for w in widths:
@@ -378,13 +403,12 @@ def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limi
     return order, best
 
 
-def choose_shape(rows, costs: StepCosts, limit: int) -> list[tuple]:
+def choose_shape(rows: list[RowState], costs: StepCosts, limit: int) -> list[Plan]:
     """The dynamic policy: the step size T that maximises the expected committed tokens per
     second, i.e. the sum over the batch's rows of what a step of size T is worth to each
     (step_values), over what it costs (costs.estimate(T)); then each row's best guesses and
-    window columns within T. rows: (tree, acceptance, window levels, max window, has a Jacobi
-    guess) for each. Returns each row's (trie of the guesses kept, window columns, Shape)."""
-    values = [step_values(*row[:4], limit, row[4]) for row in rows]
+    window columns within T. Returns each row's Plan: the trie of the guesses kept."""
+    values = [step_values(row.tree, row.acceptance, row.levels, row.max_window, limit, row.jacobi) for row in rows]
     cheapest = min((c for s in (1, 2) if (c := costs.estimate(s))), default=1.0)
     rate, T, size = 0.0, 1, 1  # `last` alone, should a cost model offer no size at all
     while size <= limit:
@@ -392,12 +416,12 @@ def choose_shape(rows, costs: StepCosts, limit: int) -> list[tuple]:
         if cost is not None and (expected := sum(best[size][0] for _, best in values)) / cost > rate:
             rate, T = expected / cost, size
         size *= 2
-    shapes = []
-    for (tree, _, levels, *_), (order, best) in zip(rows, values):
+    plans = []
+    for row, (order, best) in zip(rows, values):
         expected, n, w = best[T]
-        shape = Shape(w, levels if w else 0, n, T, expected, (costs.estimate(T) or cheapest) / cheapest)
-        shapes.append((keep(tree, order[:n]), w, shape))
-    return shapes
+        shape = Shape(w, row.levels if w else 0, n, T, expected, (costs.estimate(T) or cheapest) / cheapest)
+        plans.append(Plan(keep(row.tree, order[:n]), w, shape))
+    return plans
 
 
 def keep(tree, nodes):

@@ -77,10 +77,22 @@ def row_inputs(tree, window, w: int, size: int, mask=None):
     return tokens, tree.depth + offsets, mask, read
 
 
+# A row's inputs after the masks, in the buffer's order, and how many int64s each takes for a
+# step of T tokens with room for S moves: pack_inputs writes them in this order, StepBuffer.views
+# splits them by these sizes, step_buffer makes room by their sum. The one place they are defined.
+ROW_INTS = ("tokens", "positions", "committed", "read", "moves")
+
+
+def row_ints(T: int, S: int) -> tuple[int, ...]:
+    """The sizes of ROW_INTS: T tokens, T positions, 1 committed length, T read (padded), and
+    S moves from then S moves to."""
+    return T, T, 1, T, 2 * S
+
+
 class StepBuffer:
     """Where a step's inputs are written: one host buffer kept from step to step (on a GPU, with
     a device twin that one copy fills). For B rows of T tokens and room for S moves it holds the
-    rows' (T x T) masks, then each row's ints at fixed places,
+    rows' (T x T) masks, then each row's ints at fixed places (ROW_INTS),
 
         [ tokens: T | positions: T | committed: 1 | read: T | moves from: S | moves to: S ]
 
@@ -151,7 +163,7 @@ class StepBuffer:
             data = torch.empty(end, dtype=torch.uint8, device=self.device)
             copy = data, source
         numbers = data[start:end].view(torch.int64).view(B, -1)
-        tokens, positions, C, reads, moves = numbers.split_with_sizes((T, T, 1, T, 2 * S), 1)
+        tokens, positions, C, reads, moves = numbers.split_with_sizes(row_ints(T, S), 1)  # ROW_INTS
         return copy, (tokens, positions, C, reads, moves.view(B, 2, S), data[:B * T * T].view(torch.bool).view(B, T, T))
 
 
@@ -165,7 +177,7 @@ def step_buffer(model, B: int, T: int) -> StepBuffer:
     buffer = STEP_BUFFERS.get(model)
     if buffer is None or buffer.device != model.device:
         buffer = STEP_BUFFERS[model] = StepBuffer(model.device)
-    buffer.room(StepBuffer.ints_at(B, T) + 8 * B * (3 * T + 1 + 2 * max(16, T)))  # (moves' room S <= max(16, T))
+    buffer.room(StepBuffer.ints_at(B, T) + 8 * B * sum(row_ints(T, max(16, T))))  # (moves' room S <= max(16, T))
     return buffer
 
 
@@ -187,7 +199,7 @@ def pack_inputs(model, rows, parts: list, T: int, buffer: StepBuffer):
     for row, (tokens, offsets, _, read) in zip(rows, parts):
         moves = row.moves + [(0, 0)] * (S - len(row.moves))
         ints.fromlist(tokens + [row.C + o for o in offsets] + [row.C] + read + read[:1] * (T - len(read)) +
-                      [s for s, _ in moves] + [d for _, d in moves])
+                      [s for s, _ in moves] + [d for _, d in moves])  # in ROW_INTS' order, row_ints' sizes
         row.moves = []
     tokens, positions, C, mask, read, moves = buffer.load(ints, B, T, S, R, M)
     committed_range = min(row.C for row in rows), max(row.C for row in rows)

@@ -32,8 +32,9 @@ import step_inputs
 from drafts import Candidate, DraftSource, JacobiGuess
 from engine import RowStep, generate, generate_batch
 from lookahead import NGramPool, Tree
+from drafts import CandidateTree, PoolSource
 from step_inputs import row_inputs
-from shape import Acceptance, Shape, StepCosts, chances, choose_shape, labelled
+from shape import Acceptance, RowState, Shape, StepCosts, chances, choose_shape, labelled
 from model import step_size
 
 
@@ -125,11 +126,11 @@ def test_lookahead_equals_greedy():
 
 
 def same_steps(reference_steps, engine_steps):
-    """Both implementations' records, step by step: the trie, the window as run, the model's
+    """Both implementations' records, step by step: C, the trie, the window as run, the model's
     predictions, what was accepted, pooled and committed."""
     assert len(reference_steps) == len(engine_steps)
     for i, (a, b) in enumerate(zip(reference_steps, engine_steps)):
-        assert (a.tree.tokens, a.tree.parent) == (b.tree.tokens, b.tree.parent), i
+        assert (a.C, a.tree.tokens, a.tree.parent) == (b.C, b.tree.tokens, b.tree.parent), i
         assert (a.window, a.pred, a.path, a.pooled, a.committed) == (b.window, b.pred, b.path, b.pooled, b.committed), i
 
 
@@ -161,7 +162,7 @@ def test_the_reference_and_the_engine_take_the_same_steps():
         seen["runs"] += 1
         seen["multi"] += max(ours.committed, default=1) > 1
         seen["pooled"] += any(s.pooled for s in a)
-        seen["window's n-gram accepted"] += any(s.path and s.tree.candidates[s.winner].from_window for s in a)
+        seen["window's n-gram accepted"] += any(s.path and s.tree.candidates[s.winner].from_window for s in b)
         seen[family] += 1
 
     prop()
@@ -204,7 +205,7 @@ def trajectory_mask(tree, W, L):
     (5, 3, [(4, 4)]), (0, 0, [(3, 1, 4, 1), (3, 1, 5, 9), (2, 6)]), (4, 1, [(1,), (2,), (3,)]),
 ])
 def test_step_mask_is_the_trajectory_tree(W, L, chains):
-    tree = Tree(last=0, candidates=[Candidate(chain, "test") for chain in chains])
+    tree = Tree(last=0, candidates=chains)
     assert len(tree) == 1 + len({c[:i] for c in chains for i in range(1, len(c) + 1)})  # shared prefixes merged
     window = [[10 + level * W + j for j in range(W)] for level in range(L)]
     T = len(tree) + W * L
@@ -225,7 +226,8 @@ def test_step_mask_is_the_trajectory_tree(W, L, chains):
 
 
 def continuations(pool, key, before=None):
-    return [rest for rest, *_ in pool.ranked(key, before)]
+    ranked = pool.ranked(key, before)  # the engine's pool tells more of each: (rest, seen after?, the window's?)
+    return [rest for rest, *_ in ranked] if isinstance(pool, PoolSource) else ranked
 
 
 def path(tree, node):
@@ -237,8 +239,9 @@ def path(tree, node):
     return out[::-1]
 
 
-def test_pool_cap_lru_and_refresh():
-    pool = NGramPool(cap=2)
+@pytest.mark.parametrize("Pool", [NGramPool, PoolSource])  # the reference's, and the engine's
+def test_pool_cap_lru_and_refresh(Pool):
+    pool = Pool(cap=2)
     pool.add([1, 2, 3])
     pool.add([1, 4, 5])
     pool.add([9, 9, 9])
@@ -248,18 +251,21 @@ def test_pool_cap_lru_and_refresh():
     pool.add([1, 6, 7])  # over the cap: the least recently seen, (4, 5), goes
     assert continuations(pool, 1) == [(6, 7), (2, 3)]
     assert continuations(pool, 9) == [(9, 9)] and continuations(pool, 5) == []
-    empty = NGramPool(cap=0)
+    empty = Pool(cap=0)
     empty.add([1, 2])
     assert continuations(empty, 1) == []
+    if Pool is NGramPool:
+        return
     # A smaller cap sharing a Memory's n-grams with a larger one: a key never grows past what it holds.
-    small = NGramPool(cap=1)
+    small = PoolSource(cap=1)
     small.by_key = pool.by_key
     small.add([1, 8, 9])
     assert continuations(pool, 1) == [(8, 9), (6, 7)]
 
 
-def test_pool_ranks_ngrams_seen_after_the_same_token_first():
-    pool = NGramPool(cap=4)
+@pytest.mark.parametrize("Pool", [NGramPool, PoolSource])
+def test_pool_ranks_ngrams_seen_after_the_same_token_first(Pool):
+    pool = Pool(cap=4)
     pool.add([1, 2, 3], before=7)
     pool.add([1, 4, 5], before=8)
     pool.add([1, 6, 7])  # before unknown (a window column 0, the prompt's start)
@@ -328,9 +334,9 @@ def test_recycling_offers_the_tree_of_the_models_last_top_k():
     seq.expected_guesses = 80
     # A step reads the trie's rows (last 5, guesses 7 and 1) and the window's newest level (6, 2):
     # the trie's rank anew, accepted or not; the window's only tokens the table does not know.
-    tree = Tree(5, [Candidate((7, 1), "recycling")])
+    tree = CandidateTree(5, [Candidate((7, 1), "recycling")])
     seq.tokens += [9]  # what the step committed
-    tr.observe(seq, RowStep(tree, [[6, 2]], [9] * 5, [], [9], [], [[8, 9], [3, 4], [2, 1], [0, 3], [6, 6]], [0]))
+    tr.observe(seq, RowStep(0, tree, [[6, 2]], [9] * 5, [], [9], [], [[8, 9], [3, 4], [2, 1], [0, 3], [6, 6]], [0]))
     assert tr.next == {5: [8, 9], 6: [5, 9], 7: [3, 4], 1: [2, 1], 2: [6, 6]}
 
 
@@ -344,9 +350,9 @@ def test_recycling_reads_the_ranking_after_the_last_two_tokens_where_it_has_one(
     assert [c.tokens for c in tr.propose(seq, 2)] == [(3, 9)]
     # A step's trie rows update the pair ending in each node: (the token before `last`, `last`),
     # then (parent, node). Here it committed 3 (its guess) and 9.
-    tree = Tree(2, [Candidate((3, 8), "recycling")])
+    tree = CandidateTree(2, [Candidate((3, 8), "recycling")])
     seq.tokens += [3, 9]
-    tr.observe(seq, RowStep(tree, [], [3, 9, 0], [1], [3, 9], [], [[5, 6], [7, 7], [8, 8]], [0, 1]))
+    tr.observe(seq, RowStep(0, tree, [], [3, 9, 0], [1], [3, 9], [], [[5, 6], [7, 7], [8, 8]], [0, 1]))
     assert (tr.next2[1, 2], tr.next2[2, 3], tr.next2[3, 8]) == ([5, 6], [7, 7], [8, 8])
 
 
@@ -974,11 +980,11 @@ def test_the_dynamic_step_verifies_the_likeliest_guesses():
     # trie, from the priors the candidates state); the first candidate's also carry the chance
     # that the Jacobi guess they leave when rejected is accepted next step.
     from itertools import combinations
-    tree = Tree(last=0)
+    tree = CandidateTree(last=0)
     for chain, source, prior in [((1, 2), "x", 0.6), ((5,), "y", 0.5), ((7,), "z", 0.45), ((1, 3), "x", 0.6)]:
         tree.add(Candidate(chain, source, prior=prior))
     acceptance = Acceptance()
-    jacobi = Tree(last=0)
+    jacobi = CandidateTree(last=0)
     jacobi.add(Candidate((1, 2), "jacobi"))
     for _ in range(8):  # and Jacobi guesses were right, twice in a row, 8 times
         acceptance.record(jacobi, [1, 2], w=0)
@@ -997,15 +1003,15 @@ def test_the_dynamic_step_verifies_the_likeliest_guesses():
     closed = [c for c in combinations(range(1, len(tree)), 3) if all(tree.parent[i] in c + (0,) for i in c)]
     best = max(closed, key=lambda c: sum(value[i] for i in c))
     assert best != max(closed, key=lambda c: sum(chance[i] for i in c))  # the Jacobi value matters here
-    [(kept, w, shape)] = choose_shape([(tree, acceptance, 1, 0, True)], StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 9.0}), 128)
+    [(kept, w, shape)] = choose_shape([RowState(tree, acceptance, 1, 0, True)], StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 9.0}), 128)
     assert w == 0 and shape.size == 4 and shape.guesses == 3
     assert sorted(path(kept, i) for i in range(1, len(kept))) == sorted(path(tree, i) for i in best)
     assert shape.expected == pytest.approx(1 + sum(value[i] for i in best))
     # Where every step costs the same the whole trie goes in, and the window too.
-    [(kept, w, shape)] = choose_shape([(tree, acceptance, 2, 16, True)], StepCosts.flat(), 128)
+    [(kept, w, shape)] = choose_shape([RowState(tree, acceptance, 2, 16, True)], StepCosts.flat(), 128)
     assert len(kept) == len(tree) and w == 16 and shape.size == 64
     # Where guesses cost more than they can win, the step is `last` alone.
-    [(kept, w, shape)] = choose_shape([(tree, acceptance, 1, 16, True)], StepCosts({1: 1.0, 2: 3.0, 4: 5.0}), 128)
+    [(kept, w, shape)] = choose_shape([RowState(tree, acceptance, 1, 16, True)], StepCosts({1: 1.0, 2: 3.0, 4: 5.0}), 128)
     assert len(kept) == 1 and w == 0 and shape.size == 1
 
 
@@ -1022,7 +1028,7 @@ def test_the_dynamic_shape_goes_wide_where_steps_are_free_and_narrow_where_they_
 
 def test_acceptance_learns_from_what_was_accepted():
     acceptance = Acceptance()
-    tree = Tree(last=0)
+    tree = CandidateTree(last=0)
     tree.add(Candidate((1, 2), "pool1"))
     tree.add(Candidate((3,), "pool1"))
     keys = {node: key for node, key, _ in labelled(tree)}
@@ -1039,7 +1045,7 @@ def test_a_candidate_states_a_prior_for_its_first_guess_and_one_for_each_after_i
     # Before any trial a guess is worth the product of its chain's priors: `prior` for the first
     # guess, `prior_next` for each later one (a suffix chain that was right tends to stay right);
     # without prior_next, `prior` for all.
-    tree = Tree(last=0)
+    tree = CandidateTree(last=0)
     tree.add(Candidate((1, 2, 3), "suffix6", prior=0.5, prior_next=0.9))
     tree.add(Candidate((4, 5), "pool1", prior=0.5))
     chance = chances(tree, Acceptance())
@@ -1061,7 +1067,7 @@ def test_what_is_learned_of_a_source_does_not_depend_on_the_order_of_the_sources
     # guess is worth its best source's estimate; the prior is the one the candidates state.
     def learned(order):
         acceptance = Acceptance()
-        tree = Tree(last=0, candidates=order)
+        tree = CandidateTree(last=0, candidates=order)
         for path in ([1], [1, 2], []):  # token 5's node right twice, then its child once
             acceptance.record(tree, [tree.children[0][5]] + [tree.children[tree.children[0][5]][6]] * (len(path) > 1)
                               if path else [], w=0)
@@ -1415,8 +1421,11 @@ def test_cli_show_is_plain_off_a_terminal_and_explain_shows_every_part_of_a_step
     # with each guess's verdict, and what the step committed.
     assert "level 0:" in err and "level 1:" in err and "predicted now" in err
     assert "pooled: nothing yet" in err and "each column plus its prediction is an n-gram" in err
-    assert "trie: " in err and "[pool" in err and re.search(r"'[^']*' \+", err) and "x  the model said" in err
+    assert "trie: " in err and re.search(r"'[^']*' \+", err) and "x  the model said" in err
     assert "verified: " in err and "committed " in err
+    # The inputs (positions after C, the mask as a grid) and the roll back (moves, C moving on).
+    assert "inputs: " in err and "mask: row q may attend" in err and re.search(r"last '[^']*'  C\+0 +x", err)
+    assert re.search(r"roll back: .*; C (\d+) -> (\d+)", err)
     # Without a shape, --explain runs the paper's fixed shape, never the dynamic one.
     code, out, err = run_cli(capsys, "--model", str(tiny_checkpoint), "--prompt", "w20 w21 w20 w21",
                              "--max-new-tokens", "12", "--explain")
@@ -1425,19 +1434,31 @@ def test_cli_show_is_plain_off_a_terminal_and_explain_shows_every_part_of_a_step
 
 
 def test_explain_names_each_part_of_a_step():
-    # A step built by hand: a full window (N = 3: 2 levels of 2 columns), two candidates sharing
-    # their first guess, the first guess accepted, the next one rejected.
-    tree = Tree(5, [Candidate((6, 7), "pool2"), Candidate((6, 8), "jacobi"), Candidate((9,), "pool1")])
+    # A step of the reference built by hand at C = 20: a full window (N = 3: 2 levels of 2
+    # columns), two candidates sharing their first guess and a third, the first guess accepted,
+    # the next one rejected. One of the candidates is the rest of an n-gram the window completed.
+    tree = Tree(5, [(6, 7), (6, 8), (9,)])
     pred = [6, 3, 0, 0, 0, 11, 12]  # after last: 6 (accepted); after 6: 3 (7 and 8 rejected); window's next level 11 12
-    step = RowStep(tree, [[1, 2], [3, 4]], pred, [1], [6, 3], [[1, 3, 11], [2, 4, 12]], None, [0, 1], Shape(2, 2, 4, 16))
-    text = explain_step(3, step, str)
+    step = lookahead.StepRecord(20, tree, [[1, 2], [3, 4]], pred, [1], [6, 3], [(1, 3, 11), (2, 4, 12)])
+    text = explain_step(3, step, str, window_made={(5, 6, 8)})
     assert text.splitlines()[0].startswith("step 3: last token 5; one forward of 9 tokens")
     assert "level 0: 1 2" in text and "level 1: 3 4" in text and "predicted now (the next level): 11 12" in text
-    assert "    1 3 11" in text and "    2 4 12" in text
-    trie = [line for line in text.splitlines() if line.startswith("      ")]  # indented by depth
-    assert trie == ["      6 +  [pool2]", "        7 x  the model said 3", "        8 x  the model said 3",
-                    "      9 x  the model said 6  [pool1]"]
+    assert "    1 3 11" in text and "    2 4 12" in text and "trie: 3 candidates starting with 5" in text
+    trie = [line for line in text.splitlines() if line.startswith("      ") and line.strip()[0].isdigit()]
+    assert trie == ["      6 +", "        7 x  the model said 3", "        8 x  the model said 3  [the window's n-gram]",
+                    "      9 x  the model said 6"]
     assert "1 guess accepted (6), then the model's own next token: committed 2: 6 3" in text
+    # The inputs as lookahead.step_mask lays them out: positions after C, and each token's row of
+    # the mask (the README's picture for this step).
+    assert "inputs: 9 tokens at positions C + offset, C = 20" in text
+    grid = [line.split() for line in text.splitlines() if " C+" in line]
+    want = {"last": "x.... |....", "g1": "xx... |....", "g2": "xxx.. |....", "g3": "xx.x. |....", "g4": "x...x |....",
+            "a0": "x.... |x...", "a1": "x.... |xx..", "b0": "x.... |x.x.", "b1": "x.... |xx.x"}
+    assert {row[0]: " ".join(row[3:]) for row in grid} == want
+    assert [row[2] for row in grid] == ["C+0", "C+1", "C+2", "C+2", "C+1", "C+1", "C+2", "C+2", "C+3"]
+    # The roll back: g1 (slot 21) is in place already; C moves on past it.
+    assert "roll back: the step wrote K/V in slots 20..28; kept: `last` in 20, g1 in slot 21; moved: none" in text
+    assert "C 20 -> 22" in text
 
 
 def test_cli_drafts_chooses_the_sources(tmp_path, capsys):
