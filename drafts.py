@@ -39,11 +39,22 @@ class CandidateTree(Tree):
         super().__init__(last, candidates)
 
     def add(self, candidate: Candidate):
+        """lookahead.Tree.add, each new node's origin noted as it is made (the engine's hot path:
+        a step merges dozens of candidates)."""
         if not candidate.tokens:
             return
-        n = len(self.tokens)
-        super().add(candidate.tokens)
-        self.origin += [len(self.candidates)] * (len(self.tokens) - n)
+        v, tokens, children, origin = 0, self.tokens, self.children, len(self.candidates)
+        for tok in candidate.tokens:
+            child = children[v].get(tok)
+            if child is None:
+                child = len(tokens)
+                children[v][tok] = child
+                tokens.append(tok)
+                self.parent.append(v)
+                self.depth.append(self.depth[v] + 1)
+                self.origin.append(origin)
+                children.append({})
+            v = child
         self.candidates.append(candidate)
 
     def first_chain(self, node) -> list[int]:
