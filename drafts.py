@@ -34,9 +34,11 @@ class CandidateTree(Tree):
     node (node 0, `last`: None), and first_chain."""
 
     def __init__(self, last: int, candidates=()):
+        self.tokens, self.parent, self.depth, self.children = [last], [-1], [0], [{}]  # lookahead.Tree's
         self.candidates: list[Candidate] = []
         self.origin: list[int | None] = [None]
-        super().__init__(last, candidates)
+        for candidate in candidates:
+            self.add(candidate)
 
     def add(self, candidate: Candidate):
         """lookahead.Tree.add, each new node's origin noted as it is made (the engine's hot path:
@@ -169,11 +171,6 @@ class PoolSource(NGramPool, DraftSource):
         entries[rest] = entry
         if before is not None and before not in entry[0]:
             entry[0] += (before,)
-
-    def add_window(self, completed):
-        """Pool the n-grams the window completed (lookahead.update_window's (n-gram, token before))."""
-        for ngram, before in completed:
-            self.add(ngram, before, from_window=True)
 
     def ranked(self, key, before=None) -> list[tuple]:
         """lookahead.NGramPool.ranked's order, as (rest, seen after `before`?, from the window?)."""

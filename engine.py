@@ -115,7 +115,8 @@ class Sequence:
         window = self.window[:] if w else []
         # 6. The window moves on before the commit pools the committed text's n-grams.
         completed = update_window(self.window, pred[len(tree):len(tree) + w], tree.tokens[0], self.N) if w else []
-        self.pool.add_window(completed)
+        for ngram, before in completed:
+            self.pool.add(ngram, before, from_window=True)
         # 7. Commit, stopping exactly where greedy would; then every draft source sees the step.
         committed = commit(self.prompt, self.tokens, [tree.tokens[v] for v in path] + [bonus], self.max_new,
                            self.stop, self.pool if self.output_ngrams else None, self.N)
