@@ -6,6 +6,7 @@
     python bench.py --sweep --json results.json      # a grid of W,N,G
     python bench.py --batch 8 --max-new-tokens 64    # the prompts one by one vs in batches of 8
     python bench.py --long --max-new-tokens 128      # ~500 to ~6,000-token summaries, prefill and decode apart
+    python bench.py --busy                           # beside a process that keeps a core busy: a shared machine
     python bench.py --contexts 2048 32768 131072     # compiled: K/V allocated and a step's cost per context
     python bench.py --dataset spec-bench --per-category 2 --configs dynamic dynamic:pool,recycling,jacobi \
         --plot spec_bench.png                        # Spec-Bench by category, transformers' peers beside
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -682,7 +684,11 @@ def main(argv=None):
     ap.add_argument("--answers", default=None, metavar="DIR",
                     help="with --dataset: write one answer file per decoder in Spec-Bench's format (its speed.py reads them)")
     ap.add_argument("--plot", default=None, metavar="FILE.png", help="with --dataset: draw the table (needs matplotlib)")
+    ap.add_argument("--busy", type=int, nargs="?", const=1, default=0, metavar="N",
+                    help="run everything beside N processes that keep a core busy each (default 1): a shared machine")
     args = ap.parse_args(argv)
+    if args.busy < 0:
+        ap.error("--busy takes N >= 0 processes")
     if (args.warm or args.answers) and not args.dataset:
         ap.error("--warm and --answers go with --dataset spec-bench")
     if args.costs:
@@ -695,6 +701,24 @@ def main(argv=None):
     if args.batch < 0 or args.batch == 1 or (args.batch and args.compile):
         ap.error("--batch takes B >= 2, and runs uncompiled (a compiled model decodes one sequence at a time)")
 
+    with busy_cores(args.busy):
+        return run(args, argv)
+
+
+@contextmanager
+def busy_cores(n: int):
+    """n processes that each keep a core busy (a neighbour's load) while the block runs."""
+    loads = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for load in loads:
+            load.kill()
+            load.wait()
+
+
+def run(args, argv) -> int:
+    """What main does once the arguments are checked (beside --busy's load)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:  # default: the checkpoint the tests check against transformers (models/README.md)
         path = resolve_model(args.model) if args.model else build_default_model()
@@ -731,6 +755,7 @@ def main(argv=None):
     print(f"{'' if args.markdown else '# '}`{command}`: {machine(device)}, {str(dtype).removeprefix('torch.')}, "
           f"{f'Spec-Bench, {args.per_category} per category' if args.dataset else 'summaries of Spec-Bench articles' if args.long is not None else f'{len(prompts)} prompts'} x {n_new} "
           f"tokens, median of {args.repeats} runs"
+          + (f", beside {args.busy} busy process{'es' if args.busy > 1 else ''}" if args.busy else "")
           + (f", compiled in {compile_seconds:.0f} s" if args.compile else "") + (":\n" if args.markdown else ""), flush=True)
     for ids in prompts[:2]:  # warm-up: allocator, caches, kernels
         greedy(ids), lookahead(ids, configs[0])

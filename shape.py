@@ -126,7 +126,9 @@ class FixedShape:
 class DynamicShape:
     """Every step the guesses and window columns with the most expected tokens per second
     (choose_shape), from each row's Acceptance and the StepCosts of B-row steps on this model
-    (kept per model across requests; `costs` fixes them instead)."""
+    (kept per model across requests; `costs` fixes them instead). Where the costs are measured,
+    a GreedyCheck watches what the steps actually commit per second, and while that is less
+    than one-token steps commit, the steps are one-token steps (no source asked, no window)."""
 
     def __init__(self, N: int, model, costs: "StepCosts | None" = None):
         self.N, self.model, self.fixed_costs = N, model, costs
@@ -134,6 +136,7 @@ class DynamicShape:
         self.step_costs = {}  # B -> StepCosts of B-row steps (STEP_COSTS' entry, looked up once)
         size = step_size(1 + (MAX_WINDOW + MAX_CANDIDATES) * (N - 1))
         self.largest = min(MAX_STEP, 2 * size)
+        self.check = GreedyCheck() if costs is None else None  # a given cost model: shapes from it alone
 
     def costs(self, B: int) -> "StepCosts":
         costs = self.step_costs.get(B)
@@ -148,20 +151,29 @@ class DynamicShape:
     def candidates_per_source(self, pooled: bool) -> None:
         return None  # every candidate: the plan keeps those worth their cost
 
+    def resting(self) -> bool:
+        return self.check is not None and self.check.rest > 0
+
     def proposers(self, row) -> list:
-        return once(self.ledgers, row, lambda: SourceLedger(row.sources)).proposers()
+        ledger = once(self.ledgers, row, lambda: SourceLedger(row.sources))
+        return [] if self.resting() else ledger.proposers()
 
     def plan(self, rows, trees, limit: int) -> list[Plan]:
+        if self.resting():  # one-token steps: `last` alone (no source was asked), no window
+            return [Plan(tree, 0, Shape(0, 0, 0, 1)) for tree in trees]
         return choose_shape([RowState(tree, once(self.acceptance, row, Acceptance), len(row.window) or 1, MAX_WINDOW,
                                       row.jacobi in row.proposers) for row, tree in zip(rows, trees)],
                             self.costs(len(rows)), limit)
 
     def observe(self, rows, steps, T: int, seconds: float):
+        resting = self.resting()
         for row, step in zip(rows, steps):
             tested = list(labelled(step.tree, {0, *step.path}))  # the guesses the step tested, walked once for both
             self.acceptance[row].record(step.tree, step.path, step.columns, tested)
-            self.ledgers[row].record(row, step, seconds, tested)
+            self.ledgers[row].record(row, step, seconds, tested, asked=not resting)
         self.costs(len(rows)).record(T, seconds)
+        if self.check is not None:
+            self.check.record(T, sum(len(step.committed) for step in steps), seconds)
 
 
 def once(table, key, make):
@@ -194,8 +206,10 @@ class SourceLedger:
     def proposers(self) -> list:
         return [s for s in self.sources if not self.rest[s]]
 
-    def record(self, row, step, seconds: float, tested: list):
-        """After a step; tested: the guesses it tested, labelled(step.tree, {0, *step.path})."""
+    def record(self, row, step, seconds: float, tested: list, asked: bool = True):
+        """After a step; tested: the guesses it tested, labelled(step.tree, {0, *step.path});
+        asked: whether the sources could be asked (not while the policy ran one-token steps:
+        such a step says nothing of what a source is worth)."""
         own = {}  # accepted guesses that one source alone proposed
         if step.path:
             makers = {node: set() for node in step.path}
@@ -208,6 +222,8 @@ class SourceLedger:
                     own[s] = own.get(s, 0) + 1
         for s in self.sources:
             spent, self.spent_before[s] = row.spent[s] - self.spent_before[s], row.spent[s]
+            if not asked:
+                continue
             if self.rest[s]:
                 self.rest[s] -= 1
                 continue
@@ -226,14 +242,61 @@ class SourceLedger:
             self.backoff[s] = self.FIRST_REST
 
 
+class GreedyCheck:
+    """The dynamic shape's guard against losing to plain decoding, judged by the clock alone.
+    Cost estimates and acceptance rates can both be wrong (on a busy machine above all, where a
+    step's seconds depend on a neighbour); this judges what the steps did. Every JUDGE steps
+    that held guesses or a window, the tokens they committed per second are set against what
+    one-token steps commit per second now: the median of this request's recent one-token steps
+    (each commits one token a row), timed close to them. Where lookahead was the slower, the
+    next steps are one-token steps, FIRST_REST at first, twice as many each time it loses again
+    (up to LONGEST_REST), back to FIRST_REST once it wins: lookahead is tried again, never
+    given up. With no recent one-token step to compare with (none in the last STALE steps),
+    PROBE of them run first."""
+
+    JUDGE, FIRST_REST, LONGEST_REST, PROBE, STALE = 8, 8, 256, 2, 64
+
+    def __init__(self):
+        self.rest = 0  # one-token steps still to run
+        self.backoff = self.FIRST_REST
+        self.steps = 0  # steps recorded
+        self.plain = deque(maxlen=8)  # (step number, tokens per second) of the last one-token steps
+        self.since = [0, 0, 0.0]  # since the last judgement: lookahead steps, their tokens, their seconds
+
+    def record(self, size: int, tokens: int, seconds: float):
+        """After a step of `size` tokens (padded) that committed `tokens` in `seconds`."""
+        self.steps += 1
+        if size == 1:  # a one-token step, chosen or imposed: what plain decoding commits now
+            self.plain.append((self.steps, tokens / max(seconds, 1e-9)))
+            self.rest = max(0, self.rest - 1)
+            return
+        w = self.since
+        w[0], w[1], w[2] = w[0] + 1, w[1] + tokens, w[2] + seconds
+        if w[0] < self.JUDGE:
+            return
+        recent = [rate for at, rate in self.plain if self.steps - at <= self.STALE]
+        if len(recent) < self.PROBE:  # nothing recent to set it against: time one-token steps first
+            self.rest = self.PROBE - len(recent)
+            return  # (judged at the next lookahead step, what was summed kept)
+        if w[1] / w[2] < statistics.median(recent):
+            self.rest, self.backoff = self.backoff, min(2 * self.backoff, self.LONGEST_REST)
+        else:
+            self.backoff = self.FIRST_REST
+        self.since = [0, 0, 0.0]
+
+
 class StepCosts:
     """Seconds per step of each size of the menu (step_size), measured as the decoder runs them.
 
-    A size's estimate is the median of its last 8 steps (the least of the first 3: a shape's
-    first runs can be slow). A size run fewer than twice, or not yet, is assumed to cost what
-    the largest measured smaller size costs, times the growth seen between the two largest
-    measured sizes for each doubling (optimistic where the growth was flat, so it gets tried),
-    and only one size above the largest one measured twice is ever considered: the decoder climbs
+    A size's estimate is the lower quartile of its last 8 steps (their least while it has 2 to
+    4): a neighbour's load only ever adds seconds, so the low end is what the step costs this
+    machine, and every size is judged by the same statistic (a median for the sizes run often
+    against a least for the sizes just tried made a busy machine's new sizes look cheap and the
+    shape climb to steps of 8-32 tokens on a CPU, at 0.46x greedy). A size run fewer than twice,
+    or not yet, is assumed to cost what the largest measured smaller size costs, times the
+    growth seen between the two largest measured sizes for each doubling (optimistic where the
+    growth was flat, so it gets tried), and only one size above the largest one measured twice
+    is ever considered: the decoder climbs
     the menu one rung at a time and stops where a wider step no longer pays. On a CPU it stops
     after a rung or two; where steps are free (a GPU at small sizes) it goes wide. So the next
     steps will hold about twice what the recent ones held (expected_size, from the median of the last
@@ -270,8 +333,8 @@ class StepCosts:
         if self.table is not None:
             return self.table.get(size)
         seen = self.samples.get(size, ())
-        if len(seen) >= 2:  # trusted; the first runs of a shape can be slow (allocation), so min
-            return min(seen) if len(seen) < 4 else statistics.median(seen)
+        if len(seen) >= 2:  # trusted: the lower quartile (the class docstring says why)
+            return sorted(seen)[(len(seen) - 1) // 4]
         if not self.samples:
             return 1.0 if size <= 2 else None  # the first step: the cheapest sizes
         trusted = [s for s, v in self.samples.items() if len(v) >= 2]

@@ -945,13 +945,82 @@ def test_step_costs_climb_one_size_at_a_time_and_extrapolate_the_growth():
     assert costs.estimate(4) == 0.20
     assert costs.estimate(8) == pytest.approx(0.40)  # twice per doubling, as from 2 to 4
     assert costs.estimate(16) is None
-    for t in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):  # then the median of the last 8
+    for t in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):  # then the lower quartile of the last 8
         costs.record(4, t)
-    assert costs.estimate(4) == pytest.approx(0.65)
+    assert costs.estimate(4) == pytest.approx(0.4)
     fixed = StepCosts({1: 1.0, 4: 2.0})
     fixed.record(4, 100.0)
     assert fixed.estimate(4) == 2.0 and fixed.estimate(2) is None
     assert StepCosts.flat(8).table == {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
+
+
+def test_a_busy_machine_does_not_make_the_sizes_just_tried_look_cheap():
+    # A neighbour's load adds seconds to some steps: the 1-token step, run often, has 6 slow runs
+    # of its last 8; a 2-token step tried twice had one quick run and one slow. Judged by the same
+    # low quantile, the two cost the same; a median against a least made the 2-token step look
+    # three times cheaper, and the shape climbed on it.
+    costs = StepCosts()
+    for t in (0.1, 0.1, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3):
+        costs.record(1, t)
+    costs.record(2, 0.1)
+    costs.record(2, 0.3)
+    assert costs.estimate(1) == costs.estimate(2) == 0.1
+
+
+def test_greedy_check_rests_while_lookahead_loses_and_tries_again():
+    from shape import GreedyCheck
+    check = GreedyCheck()
+    lookahead = lambda tokens: check.record(8, tokens, 0.15)  # an 8-token step: 1 token is 6.7/s, 2 are 13/s
+    plain = lambda: check.record(1, 1, 0.1)  # a one-token step: 10 tokens/s
+    for _ in range(GreedyCheck.JUDGE):
+        lookahead(1)
+    assert check.rest == GreedyCheck.PROBE  # nothing to compare with yet: one-token steps timed first
+    for _ in range(GreedyCheck.PROBE):
+        plain()
+    assert check.rest == 0
+    lookahead(1)  # judged now: 6.7 tokens/s against 10
+    assert check.rest == GreedyCheck.FIRST_REST
+    for _ in range(GreedyCheck.FIRST_REST):
+        plain()
+    for _ in range(GreedyCheck.JUDGE):  # tried again, and losing again: a longer rest
+        lookahead(1)
+    assert check.rest == 2 * GreedyCheck.FIRST_REST
+    for _ in range(check.rest):
+        plain()
+    for _ in range(GreedyCheck.JUDGE):  # winning now: no rest, and the next loss rests the least again
+        lookahead(2)
+    assert check.rest == 0 and check.backoff == GreedyCheck.FIRST_REST
+    for _ in range(GreedyCheck.STALE):  # long after the last one-token step: timed again before judging
+        lookahead(2)
+    assert check.rest == GreedyCheck.PROBE
+
+
+def test_the_dynamic_shape_falls_back_to_one_token_steps_while_its_steps_lose(monkeypatch):
+    # A cost model that says every step size is free, on a machine where a wide step costs 20 ms
+    # against ~1 for one token: the shape goes wide and loses; judged by the clock, it falls back
+    # to runs of one-token steps, and the output stays greedy's. Without the check (a JUDGE it
+    # never reaches), no such run: the check, not the cost model, made them.
+    from shape import GreedyCheck
+    model = random_model(seed=3, vocab_size=64)
+    prompt = [random.Random(0).randrange(64) for _ in range(24)]  # little to guess from: wide steps lose
+    want = greedy_decode(model, prompt, 100).tokens
+    monkeypatch.setattr(StepCosts, "estimate", lambda self, size: 1.0)
+    step = model.step
+
+    def slow_when_wide(tokens, *args, **kwargs):
+        if tokens.shape[1] > 1:
+            time.sleep(0.02)
+        return step(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(model, "step", slow_when_wide)
+    runs, judge = {}, GreedyCheck.JUDGE
+    for checked in (True, False):
+        monkeypatch.setattr(GreedyCheck, "JUDGE", judge if checked else 10**9)
+        got = generate(model, prompt, 100)
+        assert got.tokens == want
+        sizes = "".join("1" if s.size == 1 else "w" for s in got.shapes)
+        runs[checked] = max(len(run) for run in sizes.split("w"))  # the longest run of one-token steps
+    assert runs[True] >= GreedyCheck.FIRST_REST > runs[False], runs
 
 
 def test_step_costs_room_is_one_rung_above_the_recent_steps():
