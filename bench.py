@@ -26,6 +26,7 @@ import argparse
 import copy
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -87,8 +89,12 @@ class Config:
 
 
 def parse_config(text: str) -> Config:
-    """`dynamic` or W,N,G, optionally :SOURCES (e.g. dynamic:pool,recycling,jacobi)."""
-    shape, _, sources = text.partition(":")
+    """`dynamic` or W,N,G, optionally :SOURCES (e.g. dynamic:pool,recycling,jacobi), optionally
+    named NAME=... (the tables' column; default: the whole text)."""
+    name, spec = text.split("=", 1) if re.fullmatch(r"[A-Za-z_][\w.+-]*=.+", text) else (text, text)
+    if name == "greedy":
+        raise argparse.ArgumentTypeError("greedy is the baseline every table has: name the configuration otherwise")
+    shape, _, sources = spec.partition(":")
     try:
         options = {} if shape == "dynamic" else dict(zip(("window", "ngram", "candidates"),
                                                           (int(x) for x in shape.split(",", 2))))
@@ -97,9 +103,9 @@ def parse_config(text: str) -> Config:
         if sources:
             options["drafts"] = drafts_from(sources)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"a configuration is W,N,G (e.g. 7,5,7) or dynamic, then optionally "
-                                         f":SOURCES (e.g. dynamic:pool,recycling,jacobi), not {text!r} ({e})")
-    return Config(text, tuple(options.items()))
+        raise argparse.ArgumentTypeError(f"a configuration is [NAME=]W,N,G (e.g. 7,5,7) or [NAME=]dynamic, then "
+                                         f"optionally :SOURCES (e.g. fast=dynamic:pool,recycling,jacobi), not {text!r} ({e})")
+    return Config(name, tuple(options.items()))
 
 
 def load_prompts(path, tokenizer):
@@ -119,14 +125,14 @@ def load_prompts(path, tokenizer):
 
 
 def print_tables(rows, results, labels, markdown):
-    """The summary (one row per decoder) and the speed-up of every prompt, as plain columns or
-    as Markdown tables (docs/PERFORMANCE.md)."""
+    """The summary (one row per decoder), the speed-up of every prompt and what each draft
+    source did, as plain columns or as Markdown tables (docs/PERFORMANCE.md)."""
     head = ["decoder", "tokens/s", "steps", "tokens/step", "step cost", "host ms/step", "speed-up", "per prompt: median",
-            "worst", "same as greedy", "draft sources, of the steps' time"]
+            "worst", "same as greedy"]
     body = [[r["config"], f"{r['tokens_per_s']:.1f}", str(r["steps"]), f"{r['tokens_per_step']:.2f}",
              f"{r['step_cost']:.2f}x", f"{r['host_ms_per_step']:.2f}" if r["config"] != "greedy" else "-",
              f"{r['speedup']:.2f}x", f"{statistics.median(r['prompt_speedups']):.2f}x",
-             f"{min(r['prompt_speedups']):.2f}x", "yes" if r["identical"] else "NO", shares(r["sources"])] for r in rows]
+             f"{min(r['prompt_speedups']):.2f}x", "yes" if r["identical"] else "NO"] for r in rows]
     per_head = ["prompt"] + [f"{r['config']}: speed-up, tokens/step" for r in rows[1:]]
     per_body = [[label] + [f"{r['prompt_speedups'][i]:.2f}x, "
                            f"{sum(results[r['config']][i][0].committed) / max(results[r['config']][i][0].steps, 1):.2f}"
@@ -134,6 +140,34 @@ def print_tables(rows, results, labels, markdown):
     for h, b in ((head, body), (per_head, per_body)):
         print_table(h, b, markdown)
         print()
+    print_sources({r["config"]: r for r in rows[1:]}, markdown)
+
+
+SOURCE_HEAD = ["decoder", "draft source", "µs a step", "guesses tested", "accepted", "accepted, only from it"]
+
+
+def print_sources(rows: dict, markdown: bool):
+    """Per decoder and draft source: its propose and observe time per step, and (the dynamic
+    shape) its guesses that verification tested (their parent accepted), those accepted, and
+    those accepted that no other source proposed (what the decoder would lose without it)."""
+    body = []
+    for name, r in rows.items():
+        (spent, _), steps, guesses = r["sources"], max(r["steps"], 1), r.get("guesses", {})
+        for source in dict.fromkeys([*spent, *guesses]):
+            tested, accepted, only = guesses.get(source, ("-", "-", "-"))
+            body.append([name, source, f"{1e6 * spent.get(source, 0.0) / steps:.0f}", str(tested), str(accepted), str(only)])
+    if body:
+        print_table(SOURCE_HEAD, body, markdown)
+        print()
+
+
+def guesses_of(gens) -> dict:
+    """Each draft source's [tested, accepted, only from it] summed over these generations."""
+    out = {}
+    for gen in gens:
+        for name, counts in gen.source_guesses.items():
+            out[name] = [a + b for a, b in zip(out.get(name, [0, 0, 0]), counts)]
+    return out
 
 
 def source_seconds(gens) -> tuple[dict, float]:
@@ -151,12 +185,6 @@ def merged(parts: list[tuple[dict, float]]) -> tuple[dict, float]:
     return spent, sum(steps for _, steps in parts)
 
 
-def shares(sources: tuple[dict, float]) -> str:
-    """'NGramPool 0.4%, JacobiGuess 0.1%': each source's share of the steps' time."""
-    spent, steps = sources
-    return ", ".join(f"{name} {100 * s / steps:.1f}%" for name, s in spent.items()) if spent and steps else "-"
-
-
 def print_table(head: list[str], body: list[list[str]], markdown: bool):
     """Rows of cells as a Markdown table (docs/PERFORMANCE.md's) or as aligned columns."""
     if markdown:
@@ -166,6 +194,30 @@ def print_table(head: list[str], body: list[list[str]], markdown: bool):
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         for row in [head] + body:
             print("  ".join(x.rjust(w) for x, w in zip(row, widths)))
+
+
+def summary_rows(names, results, seconds, per_prompt) -> list[dict]:
+    """One row per decoder over the prompts finished so far (results' length): tokens, steps,
+    speed-ups, step cost, host time and what its draft sources did."""
+    # speed-up = (greedy steps / steps) / step cost: what the algorithm saves in steps, divided
+    # by what a step costs against a greedy step (1.0 would mean the extra tokens were free).
+    rows = []
+    base = statistics.median(seconds["greedy"])
+    base_steps = sum(g.steps for g, _ in results["greedy"])
+    for name in names:
+        gens = results[name]
+        tokens = sum(len(g.tokens) for g, _ in gens)
+        steps = sum(g.steps for g, _ in gens)
+        secs = statistics.median(seconds[name])
+        speedups = [statistics.median(g) / statistics.median(s) for g, s in zip(per_prompt["greedy"], per_prompt[name])]
+        rows.append(dict(config=name, tokens=tokens, steps=steps, prompt_speedups=speedups,
+                         tokens_per_step=sum(sum(g.committed) for g, _ in gens) / max(steps, 1),
+                         tokens_per_s=tokens / secs, speedup=base / secs,
+                         host_ms_per_step=1000 * sum(g.host_seconds for g, _ in gens) / max(steps, 1),
+                         step_cost=(secs / max(steps, 1)) / (base / max(base_steps, 1)),
+                         identical=all(same for _, same in gens), sources=source_seconds([g for g, _ in gens]),
+                         guesses=guesses_of([g for g, _ in gens])))
+    return rows
 
 
 def names_of(configs):
@@ -263,11 +315,13 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
     answer on stderr says how far it is."""
     questions = spec_bench_questions(args.per_category)
     total, start = sum(len(q["turns"]) for q in questions), time.perf_counter()
+    total = min(total, args.limit or total)
     peers = transformers_peers(path, device, model.dtype, args.max_new_tokens, tokenizer.stop_ids) if args.peers else {}
     ours = ([(c.name, c, False) for c in configs] if args.warm != "only" else []) + [
         (f"{c.name}+warm", c, True) for c in configs if args.warm]
     names = ["greedy"] + [name for name, *_ in ours] + list(peers)
-    memories = {name: Memory() for name, _, warm in ours if warm}  # what the answers so far left, per warm decoder
+    # What the answers so far left, per warm decoder: from --memory's file, where one was given.
+    memories = {name: copy.deepcopy(args.start_memory) if args.start_memory else Memory() for name, _, warm in ours if warm}
     runs = {name: (lambda ids, memory=None, c=c: lookahead(ids, c, memory=memory)) for name, c, _ in ours}
     answers = []  # one record per answer
     stop = set(tokenizer.stop_ids)
@@ -275,6 +329,8 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
     for q in questions:
         messages = []
         for turn, text in enumerate(q["turns"]):
+            if len(answers) == total:
+                break
             messages.append({"role": "user", "content": text})
             ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
             record = dict(question_id=q["question_id"], category=q["category"], turn=turn + 1, prompt_tokens=len(ids))
@@ -301,7 +357,8 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
                     seconds[name].append(secs)
                     record.setdefault(name, {}).update(tokens=len(tokens), steps=steps, identical=tokens == ref.tokens)
                     if name not in peers and r == 0:  # the first run's answer, sources' seconds, tokens a step
-                        record[name].update(sources=source_seconds([gen]), accept_lengths=gen.committed, text=answer_text(gen))
+                        record[name].update(sources=source_seconds([gen]), guesses=gen.source_guesses,
+                                            accept_lengths=gen.committed, text=answer_text(gen))
             record["greedy"] = dict(tokens=len(ref.tokens), steps=ref.steps, identical=True, accept_lengths=ref.committed,
                                     text=answer_text(ref))
             for name in names:
@@ -311,6 +368,10 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
             progress(answers, names, total, time.perf_counter() - start)
             on_answer and on_answer(names, answers)
             messages.append({"role": "assistant", "content": record["greedy"]["text"]})
+    if args.memory:
+        memory = memories[next(name for name, _, warm in ours if warm)]
+        memory.save(args.memory, tokenizer.identity)
+        print(f"[memory] {args.memory}: the first warm decoder's memory written", file=sys.stderr)
     return names, answers
 
 
@@ -368,8 +429,10 @@ def print_spec_bench(names, answers, markdown, step_costs):
         body.append(cells)
     print_table(head, body, markdown)
     print()
-    print("draft sources, of the steps' time (propose and observe): " + "; ".join(
-        f"{n}: {shares(merged([a[n]['sources'] for a in answers]))}" for n in names[1:] if "sources" in answers[0][n]))
+    ours = [n for n in names[1:] if "sources" in answers[0][n]]  # not the peers
+    print_sources({n: dict(sources=merged([a[n]["sources"] for a in answers]), steps=sum(a[n]["steps"] for a in answers),
+                           guesses=guesses_of([SimpleNamespace(source_guesses=a[n]["guesses"]) for a in answers]))
+                   for n in ours}, markdown)
     context, costs = step_costs
     print(f"step cost on this machine (an eager step after {context} tokens, the least of 9, x a 1-token step): "
           + ", ".join(f"{size} tokens {cost:.2f}x" for size, cost in costs.items()))
@@ -684,6 +747,11 @@ def main(argv=None):
     ap.add_argument("--answers", default=None, metavar="DIR",
                     help="with --dataset: write one answer file per decoder in Spec-Bench's format (its speed.py reads them)")
     ap.add_argument("--plot", default=None, metavar="FILE.png", help="with --dataset: draw the table (needs matplotlib)")
+    ap.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="only the first N prompts (built-in or --prompts) or answers (--dataset): a run of minutes")
+    ap.add_argument("--memory", default=None, metavar="FILE",
+                    help="with --dataset and --warm: the warm decoders start from the memory saved in FILE (where it "
+                         "exists), and the first one's is written there at the end (drafts.Memory)")
     ap.add_argument("--busy", type=int, nargs="?", const=1, default=0, metavar="N",
                     help="run everything beside N processes that keep a core busy each (default 1): a shared machine")
     args = ap.parse_args(argv)
@@ -691,6 +759,10 @@ def main(argv=None):
         ap.error("--busy takes N >= 0 processes")
     if (args.warm or args.answers) and not args.dataset:
         ap.error("--warm and --answers go with --dataset spec-bench")
+    if args.memory and not args.warm:
+        ap.error("--memory FILE goes with --dataset spec-bench --warm (the warm decoders keep a memory)")
+    if args.limit is not None and args.limit < 1:
+        ap.error(f"--limit takes N >= 1, got {args.limit}")
     if args.costs:
         if args.flat_cost or args.dataset or args.batch or args.long is not None:
             ap.error("--costs goes with the built-in or --prompts runs, without --flat-cost")
@@ -735,7 +807,14 @@ def run(args, argv) -> int:
         compile_seconds = time.perf_counter() - start
     dtype = model.dtype
     tokenizer = Tokenizer.from_pretrained(path)
-    kinds, prompts = zip(*load_prompts(args.prompts, tokenizer))
+    kinds, prompts = zip(*load_prompts(args.prompts, tokenizer)[:args.limit])
+    args.start_memory = None
+    if args.memory:
+        try:
+            args.start_memory = Memory.load(args.memory, tokenizer.identity) if Path(args.memory).exists() else Memory()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     stop = tokenizer.stop_ids
     configs = [parse_config(c) for c in ["dynamic"] + SWEEP] if args.sweep else args.configs or [parse_config("dynamic")]
     costs = StepCosts.flat(args.flat_cost) if args.flat_cost else None
@@ -782,14 +861,19 @@ def run(args, argv) -> int:
             plot_spec_bench(args.plot, names, categories, summary)
         return 0 if all(a[n]["identical"] for a in answers for n in names) else 1
 
-    # seconds[name][repeat] summed over prompts; greedy and each config alternate per prompt so
-    # that drifts in machine speed hit all of them alike (the configs' order rotating each repeat).
+    # seconds[name][repeat] summed over prompts; greedy and each config alternate on each prompt
+    # so that drifts in machine speed hit all of them alike (the configs' order rotating each
+    # repeat). After each prompt: a line on stderr and --json rewritten with what is finished.
     names = names_of(configs)
+    labels = [f"{i + 1} {kind}" for i, kind in enumerate(kinds)]
     seconds = {name: [0.0] * args.repeats for name in names}
-    per_prompt = {name: [[] for _ in prompts] for name in names}  # [prompt][repeat] seconds
+    per_prompt = {name: [] for name in names}  # [prompt][repeat] seconds
     results = {name: [] for name in names}
-    for r in range(args.repeats):
-        for i, ids in enumerate(prompts):
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        for name in names:
+            per_prompt[name].append([])
+        for r in range(args.repeats):
             ref = timed(lambda: greedy(ids), device)
             seconds["greedy"][r] += ref.seconds
             per_prompt["greedy"][i].append(ref.seconds)
@@ -801,31 +885,22 @@ def run(args, argv) -> int:
                 per_prompt[name][i].append(gen.seconds)
                 if r == 0:
                     results[name].append((gen, gen.tokens == ref.tokens))
-
-    # speed-up = (greedy steps / steps) / step cost: what the algorithm saves in steps, divided
-    # by what a step costs against a greedy step (1.0 would mean the extra tokens were free).
-    rows = []
-    base = statistics.median(seconds["greedy"])
-    base_steps = sum(g.steps for g, _ in results["greedy"])
-    for name in names:
-        gens = results[name]
-        tokens = sum(len(g.tokens) for g, _ in gens)
-        steps = sum(g.steps for g, _ in gens)
-        secs = statistics.median(seconds[name])
-        speedups = [statistics.median(g) / statistics.median(s) for g, s in zip(per_prompt["greedy"], per_prompt[name])]
-        rows.append(dict(config=name, tokens=tokens, steps=steps, prompt_speedups=speedups,
-                         tokens_per_step=sum(sum(g.committed) for g, _ in gens) / max(steps, 1),
-                         tokens_per_s=tokens / secs, speedup=base / secs,
-                         host_ms_per_step=1000 * sum(g.host_seconds for g, _ in gens) / max(steps, 1),
-                         step_cost=(secs / max(steps, 1)) / (base / max(base_steps, 1)),
-                         identical=all(same for _, same in gens), sources=source_seconds([g for g, _ in gens])))
-    labels = [f"{i + 1} {kind}" for i, kind in enumerate(kinds)]
+        rows = summary_rows(names, results, seconds, per_prompt)
+        elapsed = time.perf_counter() - start
+        print(f"[{i + 1}/{len(prompts)}] {labels[i]}: " + ", ".join(
+            f"{r['config']} {r['prompt_speedups'][-1]:.2f}x" for r in rows[1:])
+            + f"; {elapsed / 60:.1f} min, about {elapsed / (i + 1) * (len(prompts) - i - 1) / 60:.1f} min left",
+            file=sys.stderr, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(
+                machine=machine(device), dtype=str(dtype), device=str(device), max_new_tokens=n_new, repeats=args.repeats,
+                prompts=labels[:i + 1], rows=rows), indent=1))
     print_tables(rows, results, labels, args.markdown)
     if curve:
-        print_projection(rows, results, base_steps, curve, args.costs)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(machine=machine(device), dtype=str(dtype), device=str(device),
-                                                   max_new_tokens=n_new, repeats=args.repeats, rows=rows), indent=1))
+        print_projection(rows, results, sum(g.steps for g, _ in results["greedy"]), curve, args.costs)
+        if args.json:
+            data = json.loads(Path(args.json).read_text())
+            Path(args.json).write_text(json.dumps(dict(data, rows=rows), indent=1))
     return 0 if all(row["identical"] for row in rows) else 1
 
 

@@ -61,7 +61,8 @@ def drafts_from(names: str):
             raise ValueError(f"--drafts: unknown source {name!r} (one of pool, {', '.join(DRAFTS)}, or FILE.py:ClassName)")
         try:
             inspect.signature(source).bind(**kwargs)  # a bad argument fails before any work
-        except TypeError as e:
+            source(**kwargs)  # and a bad value (the source's __init__ checks it): before the model loads
+        except (TypeError, ValueError) as e:
             raise ValueError(f"--drafts: {spec}: {e}") from None
         makers.append(lambda seq, source=source, kwargs=kwargs: source(**kwargs))
     return None if chosen == ["pool", "suffix", "jacobi"] else lambda seq: [make(seq) for make in makers]
@@ -176,6 +177,10 @@ def parse_args(argv):
     ap.add_argument("--drafts", default=None,
                     help=f"the draft sources, in order: pool, {', '.join(DRAFTS)}, or FILE.py:ClassName, a DraftSource "
                          "of your own, each optionally with keyword arguments, e.g. suffix(depth=4) (default pool,suffix,jacobi)")
+    ap.add_argument("--memory", metavar="FILE", default=None,
+                    help="keep what the draft sources learn in FILE across runs: read first where it exists, "
+                         "written after (drafts.Memory: gzipped JSON, at most 65,536 keys a table; a file of another "
+                         "tokenizer is refused)")
     ap.add_argument("--greedy", action="store_true", help="plain one-token-per-step decoding instead")
     ap.add_argument("--compare", action="store_true", help="run both, check they agree, compare speed")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -206,6 +211,11 @@ def parse_args(argv):
                  "(no --drafts, no sampling)")
     if args.explain and args.window is None and args.candidates is None:
         args.window, args.ngram, args.candidates = (int(x) for x in EXPLAIN_SHAPE.split(","))
+    if args.memory is not None and (args.explain or (args.greedy and not args.compare)):
+        ap.error("--memory keeps what the engine's draft sources learn: not with --explain (lookahead.py's pool "
+                 "lives one request) or --greedy alone")
+    if args.memory is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.memory))):
+        ap.error(f"--memory {args.memory}: no such folder")
     if args.batch is not None and args.greedy and not (args.temperature == 0 or args.top_k == 1):
         ap.error("--batch samples with lookahead only; drop --greedy or the sampling options")
     if args.device not in (None, "cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -274,9 +284,10 @@ def main(argv=None):
     colour = args.show and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     try:
         path = resolve_model(args.model)
+        tokenizer = Tokenizer.from_pretrained(path)
+        memory = read_memory(args.memory, tokenizer)  # a file it refuses ends here, before the model loads
         model = Transformer.from_pretrained(path, args.device, DTYPES[args.dtype], compile=args.compile,
                                             max_seq_len=args.max_seq_len)
-        tokenizer = Tokenizer.from_pretrained(path)
         stop_ids = tokenizer.stop_ids or model.args.eos_ids
         sampling = args.sampling
 
@@ -285,7 +296,9 @@ def main(argv=None):
                                     if args.chat else prompt)
 
         if args.batch is not None:
-            return run_batch(args, model, tokenizer, [encode(p) for p in args.prompts], stop_ids)
+            code = run_batch(args, model, tokenizer, [encode(p) for p in args.prompts], stop_ids, memory)
+            write_memory(memory, args.memory, tokenizer)
+            return code
         prompt_ids = encode(args.prompt)
 
         explainer = Explainer(lambda t: repr(tokenizer.decode([t])))
@@ -323,7 +336,7 @@ def main(argv=None):
                     gen = generate(model, prompt_ids, args.max_new_tokens, window=args.window, ngram=args.ngram,
                                    candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
                                    temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                   drafts=args.draft_sources, on_tokens=on_tokens if stream else None)
+                                   drafts=args.draft_sources, memory=memory, on_tokens=on_tokens if stream else None)
             finally:
                 if stream:
                     print(out.flush(), flush=True)
@@ -335,9 +348,11 @@ def main(argv=None):
                                                                for n, c in COLOURS.items()), file=sys.stderr)
         if not args.compare:
             run(args.greedy, stream=True)
+            write_memory(memory, args.memory, tokenizer)
             return 0
         base = run(True, stream=False)
         ours = run(False, stream=True)
+        write_memory(memory, args.memory, tokenizer)
         same = base.tokens == ours.tokens
         verdict = f"identical to greedy: {'yes' if same else 'NO'}" if sampling.greedy else "sampled: tokens may differ"
         print(f"{verdict}; speed-up {base.seconds / ours.seconds:.2f}x; "
@@ -351,6 +366,29 @@ def main(argv=None):
         return 2
 
 
+def read_memory(file: str | None, tokenizer) -> Memory | None:
+    """--memory FILE: the Memory saved there (a new one where there is no such file yet)."""
+    if file is None:
+        return None
+    if not os.path.exists(file):
+        print(f"[memory] {file} does not exist yet: starting empty, written at the end", file=sys.stderr)
+        return Memory()
+    memory = Memory.load(file, tokenizer.identity)  # a ValueError in one line where it is refused
+    print(f"[memory] {file}: {memory_keys(memory)} keys", file=sys.stderr)
+    return memory
+
+
+def write_memory(memory: Memory | None, file: str | None, tokenizer):
+    if memory is not None:
+        memory.save(file, tokenizer.identity)
+        print(f"[memory] {file}: {memory_keys(memory)} keys written, {os.path.getsize(file) / 1e3:,.0f} kB",
+              file=sys.stderr)
+
+
+def memory_keys(memory: Memory) -> int:
+    return len(memory.ngrams) + len(memory.rankings) + sum(len(t) for t in memory.tables.values())
+
+
 def stats(gen: Generation, prompt_tokens: int) -> str:
     hist = " ".join(f"{n}:{c}" for n, c in gen.histogram.items())
     sizes = " ".join(f"{n}:{c}" for n, c in sorted(Counter(s.size for s in gen.shapes).items()))
@@ -361,7 +399,7 @@ def stats(gen: Generation, prompt_tokens: int) -> str:
             + (f"; draft sources {', '.join(gen.source_seconds)}" if gen.source_seconds else ""))
 
 
-def run_batch(args, model, tokenizer, prompts, stop_ids) -> int:
+def run_batch(args, model, tokenizer, prompts, stop_ids, memory=None) -> int:
     """--batch: decode every prompt in one batch, then print each output in input order with
     its stats; --compare runs greedy in a batch too and checks every row."""
     sampling = args.sampling
@@ -374,7 +412,7 @@ def run_batch(args, model, tokenizer, prompts, stop_ids) -> int:
             gens = generate_batch(model, prompts, args.max_new_tokens, window=args.window, ngram=args.ngram,
                                   candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
                                   temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                  drafts=args.draft_sources, memory=Memory())  # the rows share theirs
+                                  drafts=args.draft_sources, memory=memory or Memory())  # the rows share one
         runs.append((greedy, gens, time.perf_counter() - start))
     stop = set(stop_ids)
     for i, (ids, gen) in enumerate(zip(prompts, runs[-1][1])):

@@ -4,8 +4,13 @@ The paper's source is the n-gram pool (lookahead.NGramPool, here as PoolSource);
 this project's addition; suffix.py has the suffix source and recycling.py token recycling. Every
 one of them keeps the contract of DraftSource below.
 """
+import gzip
+import inspect
+import json
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -93,14 +98,38 @@ class DraftSource:
     propose on any step, so a source that learned there would miss those steps' tokens; observe
     runs after every step, whether the source proposed or not (SuffixSource in suffix.py learns so).
 
-    A source that learns from the model's output may keep it across requests: remember(memory)
-    runs first where the caller passed a Memory (below), and the source then keeps what it
-    learns in memory.table(self.name), a bounded dict of its own, shared only by the callers who
-    pass the same Memory (no copy is made per request), instead of in its own attributes.
+    A source that learns from the model's output may keep it across requests (and, saved to a
+    file, across runs: Memory.save): remember(memory) runs first where the caller passed a
+    Memory (below), and the source then keeps what it learns in memory.table(self), a bounded
+    dict of its own, shared only by the callers who pass the same Memory (no copy is made per
+    request), instead of in its own attributes. Three rules keep that table sound:
+      - its name is the source's memory_name: its module, class and arguments (defaults filled
+        in), so Src(order=2) and Src(order=3), or two classes of one name in two files, never
+        share a table; override memory_name where other arguments should share one;
+      - the table forgets the least recently used key first, where reading a key (get, [])
+        uses it: a value changed in place after a read stays fresh, and nothing needs writing
+        again (Recent);
+      - what it holds can be saved: ints, floats, strings, bools, None, and lists, tuples and
+        dicts of them (Memory.save names the first value that is not).
+
+    Labels: each Candidate.source label is one source's (several labels a source is fine, e.g.
+    suffix1 ... suffix6): the dynamic shape learns each label's chances and credits a source by
+    its labels, so a label two sources use is an error (a ValueError naming both). Priors: the
+    dynamic shape starts each (label, depth, rank) from the prior the candidate states
+    (Candidate.prior for its first guess, prior_next for the later ones), worth two guesses
+    tested, halved for each elder sibling of the same label, and moves it by what it sees
+    (shape.Acceptance.p): after ten tested guesses the prior weighs a sixth. Set a prior to how
+    often such a guess was right where you measured it (bench.py's per-source table).
+
+    Arguments: a source checks its own in __init__ and raises ValueError there; `--drafts` makes
+    one of each source before the model loads, so a bad value ends with one line at once.
 
     What `seq` offers (read only): prompt and tokens (ids; tokens[-1] is `last`), max_new, N,
     pool (the row's NGramPool), and expected_guesses: the most guesses the policy expects the
     coming steps to hold, so that a source whose guesses cost it to make need not make more.
+    The text so far is seq.prompt + seq.tokens; token_back(seq, n) reads its n-th token from
+    the end across that boundary without joining the two lists (a copy of the whole text a
+    step is what a hot source must not make).
 
     How the shapes use proposals (the pool's come first, then the other sources' in their order):
     the fixed shape (the paper's W, N, G) runs the pool's first G candidates (the paper's) and every
@@ -123,10 +152,30 @@ class DraftSource:
     rankings = 0
     wants_prompt_rankings = False
 
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        self.made_with = args, kwargs  # what memory_name names its table by
+        return self
+
     @property
     def name(self) -> str:
         """How bench.py and Generation.source_seconds name it."""
         return type(self).__name__
+
+    @property
+    def memory_name(self) -> str:
+        """The name of its table in a Memory: 'module.Class(arg=value, ...)', every argument
+        __init__ takes (its defaults filled in; a value other than a literal by its type)."""
+        cls, (args, kwargs) = type(self), getattr(self, "made_with", ((), {}))
+        try:
+            bound = inspect.signature(cls).bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = bound.arguments.items()
+        except (TypeError, ValueError):
+            arguments = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+        literal = (int, float, str, bool, type(None), tuple)
+        shown = ", ".join(f"{k}={v!r}" if isinstance(v, literal) else f"{k}={type(v).__name__}" for k, v in arguments)
+        return f"{cls.__module__}.{cls.__qualname__}({shown})"
 
     def propose(self, seq, k: int) -> list[Candidate]:
         return []
@@ -159,10 +208,9 @@ class PoolSource(NGramPool, DraftSource):
         if self.cap == 0:
             return
         key, rest = ngram[0], tuple(ngram[1:])
-        entries = self.by_key.get(key)
+        entries = self.by_key.get(key)  # read: a Memory's table keeps it (Recent)
         if entries is None:
-            entries = {}
-        self.by_key[key] = entries  # written again: a Memory's table keeps the recently written
+            entries = self.by_key[key] = {}
         entry = entries.pop(rest, None)  # seen again: it moves to the end, the most recent
         if entry is None:
             entry = [(), from_window]
@@ -206,46 +254,133 @@ class JacobiGuess(DraftSource):
 
 class Memory:
     """What draft sources learn from the model's own output, kept across the requests (and the
-    rows of a batch) that pass the same Memory: the n-gram pool's n-grams and token recycling's
-    rankings. Opt-in (engine.generate(..., memory=Memory())); without one, every row starts
-    empty and forgets when it ends. Output is exactly greedy's either way: memory changes what is
-    guessed, never what is accepted. What it does leak is timing: a request runs faster when text
-    like it was decoded before with the same Memory, so callers who must not learn about each
-    other's text must not share one.
+    rows of a batch) that pass the same Memory: the n-gram pool's n-grams, token recycling's
+    rankings and every other source's table (table). Opt-in (engine.generate(..., memory=
+    Memory())); without one, every row starts empty and forgets when it ends. save and load
+    keep it across runs (the CLI's and bench's --memory FILE). Output is exactly greedy's either
+    way: memory changes what is guessed, never what is accepted. It does change how long a
+    request takes (text like one decoded before with the same Memory is guessed better), so
+    callers who must not learn anything about each other's text from their latency must not
+    share one.
 
     Bounded: at most `keys` first tokens (pool), `keys` contexts (recycling) and `keys` keys in
-    each other source's table (table(name)), the least recently written dropped first; each
-    key holds at most the pool's cap of n-grams (a source bounds what its own keys hold)."""
+    each other source's table, the least recently used dropped first (Recent); each key holds
+    at most the pool's cap of n-grams (a source bounds what its own keys hold)."""
+
+    FORMAT, VERSION = "lookahead-memory", 1
 
     def __init__(self, keys: int = 1 << 16):
         self.keys = keys
         self.ngrams = Recent(keys)  # the pool's: first token -> {rest: [tokens before it, from window?]}
         self.rankings = Recent(keys)  # recycling's: token, or (token, token after it) -> the model's best after it
-        self.tables: dict[str, Recent] = {}  # any other source's, by its name (table)
+        self.tables: dict[str, Recent] = {}  # any other source's, by its memory_name (table)
 
-    def table(self, name: str) -> "Recent":
-        """The part of this memory that the source named `name` keeps (DraftSource.name): a dict
-        of at most `keys` keys, the least recently written dropped first, made on first use and
-        shared by every caller that passes this Memory. No copy is made: a request that writes it
-        changes what the next one reads."""
-        table = self.tables.get(name)
+    def table(self, source: "DraftSource") -> "Recent":
+        """The part of this memory that `source` keeps (by its memory_name): a dict of at most
+        `keys` keys, the least recently used dropped first, made on first use and shared by
+        every source of that name that is passed this Memory. No copy is made: a request that
+        writes it changes what the next one reads."""
+        table = self.tables.get(source.memory_name)
         if table is None:
-            table = self.tables[name] = Recent(self.keys)
+            table = self.tables[source.memory_name] = Recent(self.keys)
         return table
+
+    def save(self, path, tokenizer: str):
+        """Write it to `path` for the tokenizer named `tokenizer` (Tokenizer.identity): gzipped
+        JSON with its format, version and tokenizer (never pickle: a memory file may come from
+        someone else, and loading one must not run code). Written to a file beside it and then
+        renamed over it, so a crash or Ctrl-C leaves the old file or the new one, never part."""
+        data = dict(format=self.FORMAT, version=self.VERSION, tokenizer=tokenizer, keys=self.keys,
+                    ngrams=encode(self.ngrams), rankings=encode(self.rankings),
+                    tables={name: encode(table) for name, table in self.tables.items()})
+        path = Path(path)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        try:
+            with open(partial, "wb") as raw:
+                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+                    f.write(json.dumps(data, separators=(",", ":")).encode())
+                raw.flush()
+                os.fsync(raw.fileno())
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, path, tokenizer: str) -> "Memory":
+        """The Memory saved in `path`; a ValueError in one line where the file is not one
+        (damaged, truncated, another format or version) or was saved for another tokenizer (its
+        token ids would mean other text). The file is only read."""
+        try:
+            with gzip.open(path, "rb") as f:
+                data = json.loads(f.read())
+            if not isinstance(data, dict) or data.get("format") != cls.FORMAT:
+                raise ValueError("no lookahead memory in it")
+            if data.get("version") != cls.VERSION:
+                raise ValueError(f"version {data.get('version')}, this code reads {cls.VERSION}")
+            memory = cls(int(data["keys"]))
+            for table, saved in [(memory.ngrams, data["ngrams"]), (memory.rankings, data["rankings"])] + [
+                    (memory.tables.setdefault(name, Recent(memory.keys)), t) for name, t in data["tables"].items()]:
+                table.update(decode(saved))
+        except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError, gzip.BadGzipFile) as e:
+            raise ValueError(f"--memory {path}: not a readable lookahead memory ({type(e).__name__}: "
+                             f"{str(e)[:120]}); the file was left as it is") from None
+        if data["tokenizer"] != tokenizer:
+            raise ValueError(f"--memory {path}: saved for another tokenizer ({data['tokenizer']}, this model's is "
+                             f"{tokenizer}), whose token ids mean other text; the file was left as it is")
+        return memory
 
 
 class Recent(OrderedDict):
-    """A dict of at most `limit` keys that forgets the least recently written first."""
+    """A dict of at most `limit` keys that forgets the least recently used first: reading a key
+    (get, []) or writing it moves it to the end, so a value changed in place after it was read
+    counts as used."""
 
     def __init__(self, limit: int | None = None):
         super().__init__()
         self.limit = limit
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        self.move_to_end(key)
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         self.move_to_end(key)
         if self.limit is not None and len(self) > self.limit:
             self.popitem(last=False)
+
+
+# A memory file's JSON: dicts as [key, value] pairs (their keys are ints and tuples, and their
+# order is their recency), tuples tagged apart from lists.
+
+def encode(x):
+    if isinstance(x, dict):
+        return {"d": [[encode(k), encode(v)] for k, v in x.items()]}
+    if isinstance(x, tuple):
+        return {"t": [encode(v) for v in x]}
+    if isinstance(x, list):
+        return [encode(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"a memory table holds a {type(x).__name__} ({x!r:.60}); a saved memory keeps ints, floats, "
+                    "strings, bools, None, and lists, tuples and dicts of them (drafts.DraftSource)")
+
+
+def decode(x):
+    if isinstance(x, list):
+        return [decode(v) for v in x]
+    if isinstance(x, dict):
+        (tag, items), = x.items()
+        if tag == "t":
+            return tuple(decode(v) for v in items)
+        if tag == "d":
+            return {decode(k): decode(v) for k, v in items}
+        raise ValueError(f"unknown tag {tag!r}")
+    return x
 
 
 def token_back(seq, n: int) -> int:

@@ -89,7 +89,9 @@ class Sequence:
                 if len(c.tokens) > k or type(c.tokens) is not tuple:
                     c = replace(c, tokens=tuple(c.tokens[:k]))
                 out.append(c)
-                self.made_by[c.source] = source
+                if self.made_by.setdefault(c.source, source) is not source:  # a label names one source
+                    raise ValueError(f"draft sources {self.made_by[c.source].name} and {source.name} both label "
+                                     f"candidates {c.source!r}: give each source labels of its own (drafts.DraftSource)")
             self.spent[source] += time.perf_counter() - start
         return out
 

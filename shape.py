@@ -211,15 +211,26 @@ class SourceLedger:
         asked: whether the sources could be asked (not while the policy ran one-token steps:
         such a step says nothing of what a source is worth)."""
         own = {}  # accepted guesses that one source alone proposed
-        if step.path:
-            makers = {node: set() for node in step.path}
-            for node, key, _ in tested:
-                if node in makers:
-                    makers[node].add(row.made_by[key[0]])
-            for sources in makers.values():
-                if len(sources) == 1:
-                    s, = sources
-                    own[s] = own.get(s, 0) + 1
+        makers = {node: set() for node in step.path}
+        judged = set()  # (guess, source): a source's labels may reach one guess twice
+        for node, key, _ in tested:
+            source = row.made_by[key[0]]
+            judged.add((node, source))
+            if node in makers:
+                makers[node].add(source)
+        tally = row.out.source_guesses  # what bench.py prints: tested, accepted, only this source
+        for _, source in judged:
+            counts = tally.get(source.name)
+            if counts is None:
+                counts = tally[source.name] = [0, 0, 0]
+            counts[0] += 1
+        for sources in makers.values():
+            for s in sources:
+                tally[s.name][1] += 1
+            if len(sources) == 1:
+                s, = sources
+                own[s] = own.get(s, 0) + 1
+                tally[s.name][2] += 1
         for s in self.sources:
             spent, self.spent_before[s] = row.spent[s] - self.spent_before[s], row.spent[s]
             if not asked:

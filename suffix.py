@@ -40,7 +40,7 @@ class SuffixSource(DraftSource):
         self.indexed = None  # this row's tokens indexed so far (None: not even its prompt)
 
     def remember(self, memory):
-        self.index = memory.table(self.name)  # shared with the requests that pass the same Memory
+        self.index = memory.table(self)  # shared with the requests that pass the same Memory
 
     def observe(self, seq, step):
         """Index what the step committed (the prompt too, the first time)."""
@@ -61,10 +61,9 @@ class SuffixSource(DraftSource):
             self.clock += 1
             for d in range(1, min(longest, i) + 1):
                 key = tuple(text[i - d:i])
-                after = index.get(key)
+                after = index.get(key)  # read: a Memory's table keeps it (drafts.Recent)
                 if after is None:
-                    after = {}
-                index[key] = after  # written again: a shared table keeps the recently written
+                    after = index[key] = {}
                 seen = after.get(token)
                 if seen is None:
                     if len(after) >= MOST_AFTER:

@@ -423,15 +423,88 @@ def test_a_suffix_sources_memory_is_shared_only_when_asked_and_changes_no_output
     shape = dict(window=0, ngram=5, candidates=1)  # every source asked every step: no timing in it
     memory = Memory()
     first = generate(model, prompt, 40, drafts=drafts, **shape, memory=memory)
-    table = memory.table("SuffixSource")
-    assert len(table) > 0 and memory.table("SuffixSource") is table  # its own part, by its name
+    table = memory.table(SuffixSource())
+    assert len(table) > 0 and list(memory.tables) == ["suffix.SuffixSource(longest=16, branches=3, depth=32)"]
+    assert memory.table(SuffixSource(longest=16)) is table and memory.table(SuffixSource(longest=8)) is not table
     second = generate(model, prompt, 40, drafts=drafts, **shape, memory=memory)
     third = generate(model, prompt, 40, drafts=drafts, **shape)
     assert first.tokens == second.tokens == third.tokens == want
     assert second.steps < first.steps == third.steps, (first.steps, second.steps, third.steps)
     small = Memory(keys=5)
     generate(model, prompt, 40, drafts=drafts, **shape, memory=small)
-    assert len(small.table("SuffixSource")) == 5  # bounded
+    assert len(small.table(SuffixSource())) == 5  # bounded
+
+
+def test_a_saved_memory_is_the_same_memory_in_the_next_run_and_a_bad_file_is_refused(tmp_path):
+    # A memory saved after one request and loaded in a fresh "run" guesses as the live one does
+    # (the same steps); a damaged file, a truncated one, another tokenizer's, and a table
+    # holding what a file cannot keep each end in one ValueError/TypeError, the file unchanged.
+    model = random_model(seed=5, vocab_size=24)
+    prompt = [int(t) for t in torch.randint(0, 24, (10,), generator=torch.Generator().manual_seed(5))]
+    shape = dict(window=0, ngram=5, candidates=1)
+    drafts = lambda seq: [seq.pool, SuffixSource(), TokenRecycling(), JacobiGuess()]
+    memory = Memory()
+    first = generate(model, prompt, 40, drafts=drafts, **shape, memory=memory)
+    file = tmp_path / "memory.gz"
+    memory.save(file, "tokenizer A")
+    assert [p.name for p in tmp_path.iterdir()] == ["memory.gz"]  # nothing partial left beside it
+    loaded = Memory.load(file, "tokenizer A")
+    assert (list(loaded.ngrams.items()), list(loaded.rankings.items()), {n: list(t.items()) for n, t in loaded.tables.items()}) \
+        == (list(memory.ngrams.items()), list(memory.rankings.items()), {n: list(t.items()) for n, t in memory.tables.items()})
+    live = generate(model, prompt, 40, drafts=drafts, **shape, memory=memory)
+    again = generate(model, prompt, 40, drafts=drafts, **shape, memory=loaded)
+    assert live.tokens == again.tokens == first.tokens and live.committed == again.committed
+    assert again.steps < first.steps
+    saved = file.read_bytes()
+    for name, data in [("damaged", b"not a memory"), ("truncated", saved[:len(saved) // 2]), ("json", b"{}")]:
+        bad = tmp_path / name
+        bad.write_bytes(data)
+        with pytest.raises(ValueError, match="not a readable lookahead memory.*left as it is") as e:
+            Memory.load(bad, "tokenizer A")
+        assert "\n" not in str(e.value) and bad.read_bytes() == data
+    with pytest.raises(ValueError, match="another tokenizer .tokenizer A, this model's is tokenizer B.") as e:
+        Memory.load(file, "tokenizer B")
+    assert "\n" not in str(e.value)
+    memory.table(SuffixSource(depth=1))["x"] = {1: {2, 3}}  # a set: a file cannot keep it
+    with pytest.raises(TypeError, match="a memory table holds a set"):
+        memory.save(file, "tokenizer A")
+    assert file.read_bytes() == saved and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_memory_keeps_what_was_read_and_changed_in_place_and_names_each_sources_table():
+    # The contract's rules: a table forgets the least recently used key, where reading a key
+    # uses it, so a source that changes a value in place after reading it never loses its
+    # busiest keys; a source's table is named by its module, class and arguments.
+    table = Memory(keys=2).table(SuffixSource())
+    table["busy"], table["idle"] = {"n": 0}, {"n": 0}
+    table.get("busy")["n"] += 1  # read, then changed in place: not written again
+    table["new"] = {"n": 0}
+    assert list(table) == ["busy", "new"]  # the idle key went, not the busy one
+    table["busy"]["n"] += 1
+    table["newer"] = {}
+    assert list(table) == ["busy", "newer"] and table.get("gone") is None
+
+    class Counting(DraftSource):
+        def __init__(self, order: int = 2):
+            if order < 1:
+                raise ValueError(f"order must be at least 1, got {order}")
+
+    memory = Memory()
+    assert memory.table(Counting(2)) is memory.table(Counting(order=2)) is memory.table(Counting())
+    assert memory.table(Counting(3)) is not memory.table(Counting(2))
+    assert list(memory.tables) == [f"{__name__}.{Counting.__qualname__}(order=2)", f"{__name__}.{Counting.__qualname__}(order=3)"]
+
+
+def test_a_label_names_one_source():
+    # Two sources that label their candidates alike would mix what the dynamic shape learns of
+    # each: the request ends with an error naming both.
+    class Echo(DraftSource):
+        def propose(self, seq, k):
+            return [Candidate((seq.tokens[-1],), "jacobi")]
+
+    model = random_model(seed=1, vocab_size=16)
+    with pytest.raises(ValueError, match="(Echo and JacobiGuess|JacobiGuess and Echo) both label candidates .jacobi."):
+        generate(model, [1, 2, 3, 1, 2], 12, drafts=lambda seq: [seq.pool, JacobiGuess(), Echo()])
 
 
 def test_recycling_offers_what_a_step_can_hold():
@@ -900,8 +973,11 @@ def test_stop_inside_an_accepted_ngram():
 
 
 @pytest.mark.parametrize("shape", [dict(window=3, candidates=3), dict(costs=StepCosts({1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0}))])
-def test_reproducible_with_a_seed(shape):
-    # Measured costs make the dynamic shapes depend on timing; a given cost model does not.
+def test_reproducible_with_a_seed(shape, monkeypatch):
+    # Measured costs make the dynamic shapes depend on timing; a given cost model does not (nor
+    # does the ledger, whose clock says whether a source pays for its time, once it is pinned).
+    from shape import SourceLedger
+    monkeypatch.setattr(SourceLedger, "SHARE", float("inf"))
     model = random_model(seed=3, vocab_size=12)
     a = generate(model, [1, 2, 3, 4], 30, seed=5, **shape)
     b = generate(model, [1, 2, 3, 4], 30, seed=5, **shape)
@@ -1279,6 +1355,7 @@ def draw(model, prompt, sampling, cfg, n):
     return samples, multi
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [(3, 3, 3), (1, 5, 8), (4, 2, 2), "dynamic"])
 def test_lookahead_sampling_keeps_the_distribution(cfg):
     model, prompt, sampling = sampling_case()
@@ -1289,6 +1366,7 @@ def test_lookahead_sampling_keeps_the_distribution(cfg):
     assert stat < critical, (stat, critical)
 
 
+@pytest.mark.slow
 def test_a_biased_verifier_fails_the_distribution_test(monkeypatch):
 
     def accept_first_draft(tree, probs, rng, gen):
@@ -1304,6 +1382,7 @@ def test_a_biased_verifier_fails_the_distribution_test(monkeypatch):
     assert stat > 3 * critical, (stat, critical)
 
 
+@pytest.mark.slow
 def test_plain_sampling_matches_the_exact_distribution():
     model, prompt, sampling = sampling_case()
     samples = [tuple(sample_decode(model, prompt, 4, sampling.temperature, top_p=sampling.top_p, seed=s).tokens)
@@ -1407,6 +1486,7 @@ def test_rows_never_see_each_other():
         assert generate_batch(model, [prompt, second], 30)[0].tokens == want
 
 
+@pytest.mark.slow
 def test_batched_sampling_keeps_each_rows_distribution():
     model, prompt, sampling = sampling_case()
     second = prompt[2:6]
@@ -1469,6 +1549,43 @@ def run_cli(capsys, *argv):
         code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def test_cli_memory_file_carries_what_a_run_learned_to_the_next_and_refuses_a_bad_file(tiny_checkpoint, tmp_path, capsys):
+    # Two runs with one --memory FILE: the second guesses from what the first said (fewer steps,
+    # the same text); a damaged file and another tokenizer's each end in one line, untouched.
+    file = tmp_path / "memory.gz"
+    argv = ["--model", str(tiny_checkpoint), "--prompt", "w7 w8 w9 w7 w8 w9 w7", "--max-new-tokens", "30",
+            "--window", "0", "--candidates", "2", "--memory", str(file)]
+    runs = [run_cli(capsys, *argv) for _ in range(2)]
+    assert [code for code, _, _ in runs] == [0, 0], runs
+    steps = [int(re.search(r"(\d+) steps", err).group(1)) for _, _, err in runs]
+    assert runs[0][1] == runs[1][1] and steps[1] < steps[0], steps
+    assert "does not exist yet" in runs[0][2] and "keys written" in runs[1][2]
+    saved = file.read_bytes()
+    other = write_tokenizer(Path(shutil.copytree(tiny_checkpoint, tmp_path / "other")), vocab_size=30)
+    damaged = tmp_path / "damaged.gz"
+    damaged.write_bytes(saved[:100])
+    for model, memory, why in [(other, file, "saved for another tokenizer"), (tiny_checkpoint, damaged, "not a readable")]:
+        before = memory.read_bytes()
+        code, out, err = run_cli(capsys, *argv[:-2], "--model", str(model), "--memory", str(memory))
+        assert code == 2 and why in err and len(err.strip().splitlines()) == 1 and not out, err
+        assert memory.read_bytes() == before
+    code, _, err = run_cli(capsys, *argv, "--greedy")
+    assert code == 2 and "--memory" in err
+
+
+def test_a_sources_bad_argument_value_ends_the_command_before_the_model_loads(tmp_path, capsys):
+    # The contract: a source checks its arguments in __init__; --drafts makes one first, so
+    # order=0 fails at once, in one line, with no model read (there is none at this path).
+    source = tmp_path / "counting.py"
+    source.write_text("from drafts import DraftSource\n\n\nclass Counting(DraftSource):\n"
+                      "    def __init__(self, order: int = 2):\n        if order < 1:\n"
+                      "            raise ValueError(f'order must be at least 1, got {order}')\n")
+    code, out, err = run_cli(capsys, "--model", str(tmp_path / "no model here"), "--prompt", "x",
+                             "--drafts", f"pool,{source}:Counting(order=0)")
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
+    assert "--drafts: " in err and "Counting(order=0): order must be at least 1, got 0" in err
 
 
 def test_cli_generates_and_compares(tiny_checkpoint, capsys):
@@ -1724,6 +1841,9 @@ def test_bench_measures_and_checks_identity(tiny_checkpoint, tmp_path, capsys):
     assert code == 0, table
     result = json.loads(out.read_text())
     assert [row["config"] for row in result["rows"]] == ["greedy", "3,3,3", lookup]  # a source from a file too
+    assert bench.parse_config(f"lookup={lookup}").name == "lookup" and bench.parse_config(lookup).name == lookup
+    with pytest.raises(Exception, match="greedy is the baseline"):
+        bench.parse_config("greedy=dynamic")
     assert all(row["host_ms_per_step"] > 0 for row in result["rows"][1:])
     greedy, *lookahead = result["rows"]
     assert all(row["identical"] and row["tokens"] == greedy["tokens"] for row in lookahead)
@@ -1750,6 +1870,12 @@ def test_bench_projects_the_speed_up_under_a_measured_step_cost_curve(tiny_check
     assert code == 0, text
     greedy, dynamic, fixed = json.loads(out.read_text())["rows"]
     assert dynamic["identical"] and fixed["identical"] and greedy["projected_speedup"] == pytest.approx(1.0)
+    # What each source did (the dynamic shape counts it): every accepted guess is some source's,
+    # and credited to each source that proposed it; a guess only one source proposed, to that one.
+    accepted = round(dynamic["tokens_per_step"] * dynamic["steps"]) - dynamic["steps"]
+    counts = dynamic["guesses"].values()
+    assert accepted > 0 and sum(a for _, a, _ in counts) >= accepted >= sum(o for _, _, o in counts)
+    assert all(t >= a >= o >= 0 for t, a, o in counts) and "guesses tested" in text and "µs a step" in text
     assert fixed["projected_speedup"] == pytest.approx(greedy["steps"] / fixed["steps"])  # 16-token steps: flat
     assert dynamic["tokens_per_step"] > 1 and dynamic["projected_speedup"] > 1, dynamic
     assert "projected speed-up over greedy" in text
@@ -1833,6 +1959,51 @@ def test_bench_killed_halfway_keeps_the_answers_it_finished(tmp_path, capsys, mo
     assert "[3/21]" in err and "min left" in err and "[4/21]" not in err
 
 
+def test_bench_built_in_path_killed_halfway_keeps_the_prompts_it_finished(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    # --limit 3 of 5 prompts, stopped in the third: --json holds the two finished, with a line
+    # of progress each.
+    import bench
+    real, calls = bench.greedy_decode, []
+
+    def greedy_then_stop(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2 + 2:  # 2 warm-ups, then one greedy run a prompt
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bench, "greedy_decode", greedy_then_stop)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "w7 w8 w{9 + i}", "chat": false}}\n' for i in range(5)))
+    out = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--configs", "fixed=2,3,2",
+                    "--max-new-tokens", "6", "--repeats", "1", "--limit", "3", "--json", str(out)])
+    kept = json.loads(out.read_text())
+    assert kept["prompts"] == ["1 custom", "2 custom"] and [r["config"] for r in kept["rows"]] == ["greedy", "fixed"]
+    assert len(kept["rows"][1]["prompt_speedups"]) == 2 and kept["rows"][1]["identical"]
+    err = capsys.readouterr().err
+    assert "[2/3] 2 custom: fixed " in err and "min left" in err and "[3/3]" not in err
+
+
+def test_bench_warm_decoders_start_from_a_memory_file_and_leave_theirs(tmp_path, capsys):
+    # --limit 2 answers, warm, --memory FILE: the second run's warm decoder starts where the
+    # first left off (the same answers, fewer steps), and a file of another format is refused.
+    import bench
+    folder = write_tokenizer(write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=4096)))
+    file, out = tmp_path / "memory.gz", tmp_path / "spec.json"
+    argv = ["--model", str(folder), "--dataset", "spec-bench", "--limit", "2", "--max-new-tokens", "16", "--repeats", "1",
+            "--configs", "2,3,2", "--no-peers", "--warm", "only", "--memory", str(file), "--json", str(out)]
+    runs = []
+    for _ in range(2):
+        assert bench.main(argv) == 0
+        runs.append(json.loads(out.read_text())["answers"])
+    assert [len(r) for r in runs] == [2, 2] and file.exists()
+    first, second = ([a["2,3,2+warm"] for a in r] for r in runs)
+    assert [a["text"] for a in first] == [a["text"] for a in second] and all(a["identical"] for a in first + second)
+    assert sum(a["steps"] for a in second) < sum(a["steps"] for a in first)
+    file.write_text("not a memory")
+    assert bench.main(argv) == 2 and "not a readable lookahead memory" in capsys.readouterr().err
+
+
 def test_bench_reports_a_wrong_decoder(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     import bench
 
@@ -1872,6 +2043,7 @@ def test_bench_batch_compares_one_by_one_with_batches(tiny_checkpoint, tmp_path,
     assert "NO" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_long_times_prefill_and_decode_apart(tmp_path, capsys):
     import bench
     from conftest import write_checkpoint
@@ -1886,6 +2058,7 @@ def test_bench_long_times_prefill_and_decode_apart(tmp_path, capsys):
     assert "1-token step" in rows[4] and len(rows) == 7  # a step's cost by size at each context
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="torch.compile on the CPU needs a C++ compiler")
 def test_bench_contexts_compiles_the_cache_asked_for_not_the_context(tmp_path, capsys):
     import bench

@@ -50,6 +50,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
+    @property
+    def identity(self) -> str:
+        """What its token ids mean, in a line: the vocabulary's size and a hash of its (token, id)
+        pairs. A saved drafts.Memory carries it, and a tokenizer of another identity refuses it."""
+        import hashlib
+        pairs = json.dumps(sorted(self.tok.get_vocab(with_added_tokens=True).items()), ensure_ascii=False)
+        return f"{self.vocab_size} tokens, sha256 {hashlib.sha256(pairs.encode()).hexdigest()[:16]}"
+
     def encode(self, text: str) -> list[int]:
         # The post-processor adds BOS where the model wants one. A chat template already renders
         # BOS as text, and two BOS tokens would change the model's output, so keep only one.
