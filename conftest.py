@@ -110,6 +110,23 @@ def reference_cases(folder: str) -> list[dict]:
     return json.loads((MODELS / folder / "reference.json").read_text())["cases"]
 
 
+# The quick run (`python -m pytest -q -m "not slow"`, under a minute) leaves out what is marked slow:
+# every test of a real checkpoint (marked here, by its fixtures), the compile tests and the
+# sampling distribution tests (marked where they are written).
+REAL_CHECKPOINTS = {"smollm2_path", "gemma3_path"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of the quick run, -m 'not slow' (real checkpoints, "
+                                       "compiles, sampling distributions)")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REAL_CHECKPOINTS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return build("smollm2.py")

@@ -414,6 +414,7 @@ def compiled_pair():
     return eager, compiled
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(compiled_pair, monkeypatch):
     from torch._dynamo.utils import counters
@@ -446,6 +447,7 @@ def test_compiled_decoding_equals_eager_and_compiles_nothing_after_the_warm_up(c
 
 
 @needs_compiler
+@pytest.mark.slow
 def test_a_compiled_model_keeps_its_cache(compiled_pair):
     _, compiled = compiled_pair
     assert compiled.cache.slots == 320  # what was asked, not the model's context (400)
@@ -457,6 +459,7 @@ def test_a_compiled_model_keeps_its_cache(compiled_pair):
         compiled.cache.setup(48)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transposed", [frozenset(), frozenset(range(1, 17))], ids=["as-on-a-gpu", "as-tuned-on-a-cpu"])
 def test_the_compiled_step_makes_two_graphs_a_model_whatever_the_size_bucket_or_model(transposed):
     # torch.compile keeps one list of graphs for bucketed_step, shared by every CompiledStep, and
@@ -654,6 +657,7 @@ def test_the_efficient_kernels_bias_is_aligned_expanded_and_equal(shape):
     assert torch.equal(bias, additive(keep, torch.float16, padded=False).expand_as(bias))
 
 
+@pytest.mark.slow
 def test_the_cuda_attention_branch_on_meta_tensors_compiles_one_graph_for_every_step_size_and_width(monkeypatch):
     # The CUDA branch of a step's attention as a compiled step runs it (Attention.attend through
     # the memory-efficient kernel, efficient_attention_op), on meta tensors: grouped heads (g =
