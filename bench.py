@@ -143,30 +143,36 @@ def print_tables(rows, results, labels, markdown):
     print_sources({r["config"]: r for r in rows[1:]}, markdown)
 
 
-SOURCE_HEAD = ["decoder", "draft source", "µs a step", "guesses tested", "accepted", "accepted, only from it"]
+SOURCE_HEAD = ["decoder", "draft source", "µs a step", "label", "guesses tested", "accepted", "rate",
+               "accepted, no other label's"]
 
 
 def print_sources(rows: dict, markdown: bool):
     """Per decoder and draft source: its propose and observe time per step, and (the dynamic
-    shape) its guesses that verification tested (their parent accepted), those accepted, and
-    those accepted that no other source proposed (what the decoder would lose without it)."""
+    shape) per label its guesses that verification tested (their parent accepted), those
+    accepted (the rate a prior may be set to: drafts.DraftSource), and those accepted that no
+    other label proposed (what the decoder would lose without it)."""
     body = []
     for name, r in rows.items():
         (spent, _), steps, guesses = r["sources"], max(r["steps"], 1), r.get("guesses", {})
         for source in dict.fromkeys([*spent, *guesses]):
-            tested, accepted, only = guesses.get(source, ("-", "-", "-"))
-            body.append([name, source, f"{1e6 * spent.get(source, 0.0) / steps:.0f}", str(tested), str(accepted), str(only)])
+            cost = f"{1e6 * spent.get(source, 0.0) / steps:.0f}"
+            for label, (tested, accepted, only) in guesses.get(source, {"-": ("-", "-", "-")}).items():
+                rate = f"{accepted / tested:.2f}" if label != "-" and tested else "-"
+                body.append([name, source, cost, label, str(tested), str(accepted), rate, str(only)])
     if body:
         print_table(SOURCE_HEAD, body, markdown)
         print()
 
 
 def guesses_of(gens) -> dict:
-    """Each draft source's [tested, accepted, only from it] summed over these generations."""
+    """Each draft source's {label: [tested, accepted, only this label]} summed over these generations."""
     out = {}
     for gen in gens:
-        for name, counts in gen.source_guesses.items():
-            out[name] = [a + b for a, b in zip(out.get(name, [0, 0, 0]), counts)]
+        for name, labels in gen.source_guesses.items():
+            mine = out.setdefault(name, {})
+            for label, counts in labels.items():
+                mine[label] = [a + b for a, b in zip(mine.get(label, [0, 0, 0]), counts)]
     return out
 
 

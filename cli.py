@@ -380,7 +380,10 @@ def read_memory(file: str | None, tokenizer) -> Memory | None:
 
 def write_memory(memory: Memory | None, file: str | None, tokenizer):
     if memory is not None:
-        memory.save(file, tokenizer.identity)
+        try:
+            memory.save(file, tokenizer.identity)
+        except TypeError as e:  # a source's table holds what a file cannot keep: the old file stays
+            raise ValueError(f"--memory {file}: not written, {e}") from None
         print(f"[memory] {file}: {memory_keys(memory)} keys written, {os.path.getsize(file) / 1e3:,.0f} kB",
               file=sys.stderr)
 

@@ -25,8 +25,9 @@ class Generation:
     prefill_seconds: float = 0.0  # of `seconds`: the prompt's forward and the first token
     host_seconds: float = 0.0  # lookahead: of the steps' time, all but the model's forward (host work)
     source_seconds: dict = field(default_factory=dict)  # lookahead: of it, each draft source's, by name
-    # The dynamic shape: each draft source's guesses, by name, as [tested (their parent was
-    # accepted, so verification judged them), accepted, accepted that no other source proposed].
+    # The dynamic shape: each draft source's guesses, by its name, then by label (Candidate.source):
+    # [tested (their parent was accepted, so verification judged them), accepted, accepted that
+    # no other label proposed].
     source_guesses: dict = field(default_factory=dict)
 
     @property

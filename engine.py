@@ -225,9 +225,11 @@ def generate_batch(model, prompts, max_new_tokens, *, window=None, ngram=None, c
         keep = drop_finished(model, active, lambda b: rows[b].done, [row.out for row in rows],
                              max(rows[b].C for b in active), start)
         if not keep:
-            for row in rows:  # of the host work, each source's (by name)
+            for row in rows:  # of the host work, each source's (by name); its guesses by name, then label
                 for source, seconds in row.spent.items():
                     row.out.source_seconds[source.name] = row.out.source_seconds.get(source.name, 0.0) + seconds
+                for label, counts in policy.guesses(row).items():
+                    row.out.source_guesses.setdefault(row.made_by[label].name, {})[label] = counts
             return [row.out for row in rows]
         active = [active[j] for j in keep]
         batch_step(model, policy, [rows[b] for b in active], buffer, on_step and (lambda j, s: on_step(active[j], s)))

@@ -122,6 +122,9 @@ class FixedShape:
     def observe(self, rows, steps, T: int, seconds: float):
         pass  # the same shape every step, whatever happened
 
+    def guesses(self, row) -> dict:
+        return {}  # nothing learned, nothing counted
+
 
 class DynamicShape:
     """Every step the guesses and window columns with the most expected tokens per second
@@ -175,6 +178,17 @@ class DynamicShape:
         if self.check is not None:
             self.check.record(T, sum(len(step.committed) for step in steps), seconds)
 
+    def guesses(self, row) -> dict:
+        """The row's guesses by label, [tested, accepted, accepted that no other label proposed]:
+        read off what Acceptance and the ledger count anyway (bench.py's per-source table)."""
+        out = {}
+        for (label, _, _), (hits, trials) in self.acceptance[row].counts.items() if row in self.acceptance else ():
+            counts = out.setdefault(label, [0, 0, 0])
+            counts[0], counts[1] = counts[0] + trials, counts[1] + hits
+        for label, n in self.ledgers[row].alone.items() if row in self.ledgers else ():
+            out[label][2] = n
+        return out
+
 
 def once(table, key, make):
     """table[key], made by make() the first time (a setdefault would make one on every call)."""
@@ -202,6 +216,7 @@ class SourceLedger:
         self.backoff = {s: self.FIRST_REST for s in sources}
         self.spent_before = {s: 0.0 for s in sources}  # its seconds so far, at the last step
         self.window = {s: [0, 0.0, 0.0, 0, 0] for s in sources}  # steps, its seconds, steps' seconds, row's tokens, its own
+        self.alone = {}  # label -> accepted guesses that no other label proposed
 
     def proposers(self) -> list:
         return [s for s in self.sources if not self.rest[s]]
@@ -211,26 +226,19 @@ class SourceLedger:
         asked: whether the sources could be asked (not while the policy ran one-token steps:
         such a step says nothing of what a source is worth)."""
         own = {}  # accepted guesses that one source alone proposed
-        makers = {node: set() for node in step.path}
-        judged = set()  # (guess, source): a source's labels may reach one guess twice
-        for node, key, _ in tested:
-            source = row.made_by[key[0]]
-            judged.add((node, source))
-            if node in makers:
-                makers[node].add(source)
-        tally = row.out.source_guesses  # what bench.py prints: tested, accepted, only this source
-        for _, source in judged:
-            counts = tally.get(source.name)
-            if counts is None:
-                counts = tally[source.name] = [0, 0, 0]
-            counts[0] += 1
-        for sources in makers.values():
-            for s in sources:
-                tally[s.name][1] += 1
-            if len(sources) == 1:
-                s, = sources
-                own[s] = own.get(s, 0) + 1
-                tally[s.name][2] += 1
+        if step.path:
+            on_path = {node: [] for node in step.path}  # the labels that proposed each accepted guess
+            for node, key, _ in tested:
+                labels = on_path.get(node)
+                if labels is not None:
+                    labels.append(key[0])
+            for labels in on_path.values():
+                if len(labels) == 1:  # for bench.py's table
+                    self.alone[labels[0]] = self.alone.get(labels[0], 0) + 1
+                makers = {row.made_by[label] for label in labels}
+                if len(makers) == 1:
+                    s, = makers
+                    own[s] = own.get(s, 0) + 1
         for s in self.sources:
             spent, self.spent_before[s] = row.spent[s] - self.spent_before[s], row.spent[s]
             if not asked:

@@ -1873,9 +1873,10 @@ def test_bench_projects_the_speed_up_under_a_measured_step_cost_curve(tiny_check
     # What each source did (the dynamic shape counts it): every accepted guess is some source's,
     # and credited to each source that proposed it; a guess only one source proposed, to that one.
     accepted = round(dynamic["tokens_per_step"] * dynamic["steps"]) - dynamic["steps"]
-    counts = dynamic["guesses"].values()
+    counts = [c for labels in dynamic["guesses"].values() for c in labels.values()]
     assert accepted > 0 and sum(a for _, a, _ in counts) >= accepted >= sum(o for _, _, o in counts)
     assert all(t >= a >= o >= 0 for t, a, o in counts) and "guesses tested" in text and "µs a step" in text
+    assert set(dynamic["guesses"]) <= {"PoolSource", "SuffixSource", "JacobiGuess"} and "jacobi" in dynamic["guesses"]["JacobiGuess"]
     assert fixed["projected_speedup"] == pytest.approx(greedy["steps"] / fixed["steps"])  # 16-token steps: flat
     assert dynamic["tokens_per_step"] > 1 and dynamic["projected_speedup"] > 1, dynamic
     assert "projected speed-up over greedy" in text
