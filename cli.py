@@ -415,7 +415,7 @@ def run_batch(args, model, tokenizer, prompts, stop_ids, memory=None) -> int:
             gens = generate_batch(model, prompts, args.max_new_tokens, window=args.window, ngram=args.ngram,
                                   candidates=args.candidates, stop_ids=stop_ids, seed=args.seed,
                                   temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                  drafts=args.draft_sources, memory=memory or Memory())  # the rows share one
+                                  drafts=args.draft_sources, memory=memory if memory is not None else Memory())  # the rows share one
         runs.append((greedy, gens, time.perf_counter() - start))
     stop = set(stop_ids)
     for i, (ids, gen) in enumerate(zip(prompts, runs[-1][1])):

@@ -1935,19 +1935,24 @@ def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
             assert sum(choice["accept_lengths"]) == sum(a[name]["tokens"] - 1 for a in turns)  # the first: the prefill's
 
 
+def stop_greedy_after(monkeypatch, bench, runs: int):
+    """bench's greedy decodes `runs` times, then raises KeyboardInterrupt: a run cut short."""
+    real, calls = bench.greedy_decode, []
+
+    def greedy_then_stop(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > runs:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bench, "greedy_decode", greedy_then_stop)
+
+
 def test_bench_killed_halfway_keeps_the_answers_it_finished(tmp_path, capsys, monkeypatch):
     # Spec-Bench writes --json and --answers after every answer, with a line of progress each: a
     # run stopped at its fourth answer leaves the three it finished.
     import bench
     folder = write_tokenizer(write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=4096)))
-    real, calls = bench.greedy_decode, []
-
-    def greedy_then_stop(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > 2 + 3:  # 2 warm-ups, then one greedy run an answer
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-    monkeypatch.setattr(bench, "greedy_decode", greedy_then_stop)
+    stop_greedy_after(monkeypatch, bench, 2 + 3)  # 2 warm-ups, then one greedy run an answer
     out, answers = tmp_path / "spec.json", tmp_path / "answers"
     with pytest.raises(KeyboardInterrupt):
         bench.main(["--model", str(folder), "--dataset", "spec-bench", "--per-category", "1", "--max-new-tokens", "4",
@@ -1964,14 +1969,7 @@ def test_bench_built_in_path_killed_halfway_keeps_the_prompts_it_finished(tiny_c
     # --limit 3 of 5 prompts, stopped in the third: --json holds the two finished, with a line
     # of progress each.
     import bench
-    real, calls = bench.greedy_decode, []
-
-    def greedy_then_stop(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > 2 + 2:  # 2 warm-ups, then one greedy run a prompt
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-    monkeypatch.setattr(bench, "greedy_decode", greedy_then_stop)
+    stop_greedy_after(monkeypatch, bench, 2 + 2)  # 2 warm-ups, then one greedy run a prompt
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "w7 w8 w{9 + i}", "chat": false}}\n' for i in range(5)))
     out = tmp_path / "bench.json"
