@@ -2068,3 +2068,149 @@ def test_bench_contexts_compiles_the_cache_asked_for_not_the_context(tmp_path, c
     rows = capsys.readouterr().out.splitlines()
     assert rows[1].split()[:3] == ["64,", "eager", "40"] and rows[2].split()[:2] == ["64", "64"]
     assert rows[3].split()[:2] == ["16384", "4096"]  # the default cache, not the context
+
+
+# --- inside transformers' generate (hf_backend.py) ---------------------------------------------
+# Tiny random models that transformers itself builds, float64 (Qwen3-MoE float32: its grouped
+# expert matmul refuses float64); windows of 8 keys lie well inside the prompts and answers.
+HF_TINY = dict(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+               pad_token_id=None)
+HF_ARCHITECTURES = {
+    "llama": ("LlamaConfig", HF_TINY),
+    "qwen2_sliding": ("Qwen2Config", dict(HF_TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "mistral_sliding": ("MistralConfig", dict(HF_TINY, sliding_window=8)),
+    "gemma3": ("Gemma3TextConfig", dict(HF_TINY, head_dim=16, sliding_window=8, query_pre_attn_scalar=12,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "phi3": ("Phi3Config", dict(HF_TINY, partial_rotary_factor=0.5)),
+    "gpt_neox": ("GPTNeoXConfig", dict(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                       num_attention_heads=4, max_position_embeddings=256, rotary_pct=0.5,
+                                       bos_token_id=None, eos_token_id=None)),
+    "gpt2": ("GPT2Config", dict(vocab_size=16, n_embd=32, n_layer=3, n_head=4, n_positions=256, bos_token_id=None,
+                                eos_token_id=None)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(HF_TINY, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=24, decoder_sparse_step=1)),
+}
+
+
+def tiny_transformers_model(name, attn="sdpa", seed=0):
+    import transformers
+    config_class, options = HF_ARCHITECTURES[name]
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**options),
+                                                        attn_implementation=attn)
+    hf = hf.to(torch.float32 if name == "qwen3_moe" else torch.float64).eval()
+    with torch.no_grad():  # weights large enough that the answers vary (the default init gives a constant)
+        for param_name, p in hf.named_parameters():
+            p.normal_(0, 0.3 if p.dim() > 1 else 0.1) if "norm" not in param_name and "ln" not in param_name \
+                else p.uniform_(0.5, 1.5)
+    return hf
+
+
+@pytest.mark.parametrize("name", list(HF_ARCHITECTURES))
+def test_lookahead_in_transformers_generate_equals_its_greedy(name):
+    """custom_generate=lookahead_generate gives generate(do_sample=False)'s ids token for token,
+    over prompts, lengths, stop ids and shapes (fixed and dynamic), on eight architectures:
+    Llama, Qwen2 and Mistral sliding, Gemma 3 (sliding and full layers), Phi-3 and GPT-NeoX
+    (partial rotary), GPT-2 (absolute positions) and Qwen3-MoE."""
+    from hf_backend import lookahead_generate
+    hf = tiny_transformers_model(name, attn="eager" if name == "gpt2" else "sdpa")
+
+    @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(st.data())
+    def check(data):
+        motif = data.draw(st.lists(st.integers(0, 15), min_size=1, max_size=6))
+        prompt = (motif * 8)[:data.draw(st.integers(1, 30))]  # repeats: guesses get accepted
+        new = data.draw(st.integers(1, 40))
+        stop = data.draw(st.sampled_from([None, 3, [3, 7]]))
+        shape = data.draw(st.sampled_from([{}, dict(window=3, ngram=3, candidates=3), dict(window=5, ngram=5, candidates=5),
+                                           dict(window=1, ngram=2, candidates=1)]))
+        ids = torch.tensor([prompt])
+        greedy = hf.generate(ids, do_sample=False, max_new_tokens=new, eos_token_id=stop)
+        ours = hf.generate(ids, do_sample=False, max_new_tokens=new, eos_token_id=stop,
+                           custom_generate=lookahead_generate, **shape)
+        assert ours.tolist() == greedy.tolist(), (prompt, new, stop, shape)
+
+    check()
+
+
+def test_lookahead_in_transformers_takes_more_than_one_token_a_step():
+    """Not greedy in disguise: on a repetitive prompt the backend's steps commit several tokens."""
+    import hf_backend
+    hf = tiny_transformers_model("llama")
+    steps = []
+    with mock.patch.object(hf_backend.engine, "generate", wraps=hf_backend.engine.generate) as run:
+        hf.generate(torch.tensor([[1, 2, 3, 4] * 6]), do_sample=False, max_new_tokens=40,
+                    custom_generate=hf_backend.lookahead_generate, window=4, ngram=4, candidates=4)
+        model = run.call_args.args[0]
+    out = engine.generate(model, [1, 2, 3, 4] * 6, 40, window=4, ngram=4, candidates=4)
+    assert out.steps < 40 and max(out.committed) > 1
+
+
+def test_lookahead_in_transformers_folder_form_streams_and_returns_generates_output(tmp_path):
+    """custom_generate="<this repository>" (the custom_generate/ folder) gives the same ids, its
+    streamer sees the prompt then every new token, and return_dict_in_generate gives generate's
+    output object; sampling runs, seeded (its distribution: the engine's tests)."""
+    from transformers.generation import GenerateDecoderOnlyOutput
+    from hf_backend import lookahead_generate
+    hf = tiny_transformers_model("llama")
+    ids = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3]])
+    greedy = hf.generate(ids, do_sample=False, max_new_tokens=20)
+
+    class Streamer:
+        def __init__(self):
+            self.seen, self.ended = [], False
+
+        def put(self, value):
+            self.seen += value.reshape(-1).tolist()
+
+        def end(self):
+            self.ended = True
+
+    streamer = Streamer()
+    out = hf.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=str(Path(__file__).parent),
+                      trust_remote_code=True, streamer=streamer, return_dict_in_generate=True)
+    assert isinstance(out, GenerateDecoderOnlyOutput) and out.sequences.tolist() == greedy.tolist()
+    assert streamer.seen == greedy[0].tolist() and streamer.ended
+    sampled = [hf.generate(ids, do_sample=True, temperature=0.8, top_k=8, top_p=0.9, max_new_tokens=12,
+                           custom_generate=lookahead_generate, seed=3, window=3, ngram=3, candidates=3)
+               for _ in range(2)]  # a fixed shape: the dynamic one's shapes follow the clock
+    assert sampled[0].tolist() == sampled[1].tolist() and sampled[0].shape == (1, 20)
+
+
+@pytest.mark.parametrize("case", ["batch", "beams", "padding", "static_cache", "repetition_penalty", "scores",
+                                  "stopping_criteria", "flex_attention", "linear_attention", "encoder_decoder"])
+def test_lookahead_in_transformers_refuses_what_it_cannot_do_in_one_line(case):
+    import transformers
+    from hf_backend import TransformersModel, lookahead_generate
+    hf = tiny_transformers_model("llama")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    run = lambda **options: hf.generate(**{"inputs": ids, "do_sample": False, "max_new_tokens": 5,
+                                           "custom_generate": lookahead_generate, **options})
+
+    class Never(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    tiny = dict(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2)
+    actions = {
+        "batch": lambda: run(inputs=torch.cat([ids, ids])),
+        "beams": lambda: run(num_beams=2),
+        "padding": lambda: run(attention_mask=torch.tensor([[0, 1, 1, 1]])),
+        "static_cache": lambda: run(cache_implementation="static"),
+        "repetition_penalty": lambda: run(repetition_penalty=1.3),
+        "scores": lambda: run(output_scores=True, return_dict_in_generate=True),
+        "stopping_criteria": lambda: run(stopping_criteria=transformers.StoppingCriteriaList([Never()])),
+        "flex_attention": lambda: TransformersModel(tiny_transformers_model("llama", attn="flex_attention")),
+        "linear_attention": lambda: TransformersModel(transformers.AutoModelForCausalLM.from_config(
+            transformers.Qwen3NextConfig(**tiny, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
+                                         linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2,
+                                         num_experts_per_tok=1, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=16))),
+        "encoder_decoder": lambda: TransformersModel(transformers.T5ForConditionalGeneration(
+            transformers.T5Config(vocab_size=16, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2))),
+    }
+    with pytest.raises(ValueError) as error:
+        actions[case]()
+    assert "\n" not in str(error.value) and len(str(error.value)) < 200, str(error.value)
