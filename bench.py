@@ -288,11 +288,13 @@ def spec_bench_questions(per_category: int) -> list[dict]:
 
 
 def transformers_peers(path, device, dtype, n_new, stop):
-    """transformers' greedy generate and its prompt lookup decoding on the same checkpoint, as
-    name -> run(ids) -> (tokens, forward passes after the prefill, seconds); {} where transformers
-    is not installed."""
+    """transformers' greedy generate, its prompt lookup decoding and lookahead through its
+    generate (hf_backend: the dynamic shape, the default sources), all on one transformers model
+    of the same checkpoint, as name -> run(ids) -> (tokens, forward passes after the prefill,
+    seconds); {} where transformers is not installed."""
     try:
         from transformers import AutoModelForCausalLM
+        from hf_backend import lookahead_generate
     except ImportError:
         print("transformers is not installed: its greedy and prompt lookup decoding are skipped", flush=True)
         return {}
@@ -309,7 +311,8 @@ def transformers_peers(path, device, dtype, n_new, stop):
         timed(lambda: None, device)
         return out[0, len(ids):].tolist(), calls[0] - 1, time.perf_counter() - start
 
-    return {"transformers greedy": run, "transformers PLD": lambda ids: run(ids, prompt_lookup_num_tokens=10)}
+    return {"transformers greedy": run, "transformers PLD": lambda ids: run(ids, prompt_lookup_num_tokens=10),
+            "transformers lookahead": lambda ids: run(ids, custom_generate=lookahead_generate)}
 
 
 def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, device, on_answer=None):

@@ -1896,7 +1896,8 @@ def test_bench_projects_the_speed_up_under_a_measured_step_cost_curve(tiny_check
 
 def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
     """Spec-Bench's 13 categories, a second MT-Bench turn after the first answer, every answer
-    checked against our greedy, transformers' greedy and prompt lookup beside ours."""
+    checked against our greedy, transformers' greedy, prompt lookup and lookahead through its
+    generate (hf_backend) beside ours."""
     import bench
     folder = write_tokenizer(write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=4096)))
     out = tmp_path / "spec.json"
@@ -1911,8 +1912,8 @@ def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
     for a in answers:
         assert all(a[n]["identical"] for n in ("dynamic", "2,3,2:pool,recycling,jacobi", "dynamic+warm",
                                                   "2,3,2:pool,recycling,jacobi+warm", "transformers greedy",
-                                                  "transformers PLD")), a
-    assert "overall" in table and "transformers PLD" in table and "NO" not in table
+                                                  "transformers PLD", "transformers lookahead")), a
+    assert "overall" in table and "transformers PLD" in table and "transformers lookahead" in table and "NO" not in table
     curve = table[table.index("step cost on this machine"):].splitlines()[0]  # timed directly, 1 to 16 tokens
     assert "1 tokens 1.00x" in curve and "16 tokens" in curve
     # Spec-Bench's answer files, one per decoder of ours (not the peers'), a line per question.
@@ -2214,3 +2215,23 @@ def test_lookahead_in_transformers_refuses_what_it_cannot_do_in_one_line(case):
     with pytest.raises(ValueError) as error:
         actions[case]()
     assert "\n" not in str(error.value) and len(str(error.value)) < 200, str(error.value)
+
+
+@pytest.mark.parametrize("checkpoint", ["smollm2", "gemma3"])
+def test_lookahead_in_transformers_takes_the_engines_steps_on_a_real_checkpoint(checkpoint, request):
+    """The same checkpoint loaded by transformers and by model.py, the fixed shape 7,5,7: the
+    backend and the engine commit the same tokens in the same steps (and the reference's)."""
+    import transformers
+    from hf_backend import adapter, lookahead_generate
+    path, model = request.getfixturevalue(f"{checkpoint}_path"), request.getfixturevalue(checkpoint)
+    cases = request.getfixturevalue("reference" if checkpoint == "smollm2" else "gemma3_reference")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    for case in cases[:2]:
+        n, shape = len(case["greedy_ids"]), dict(window=7, ngram=5, candidates=7, stop_ids=())
+        ours = generate(model, case["prompt_ids"], n, **shape)
+        theirs = generate(adapter(hf), case["prompt_ids"], n, **shape)
+        assert_matches_reference(theirs.tokens, case)
+        assert theirs.tokens == ours.tokens and theirs.committed == ours.committed
+    ids = torch.tensor([cases[0]["prompt_ids"]])
+    assert (hf.generate(ids, do_sample=False, max_new_tokens=24, custom_generate=lookahead_generate).tolist()
+            == hf.generate(ids, do_sample=False, max_new_tokens=24).tolist())
