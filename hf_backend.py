@@ -52,6 +52,10 @@ def refusal(hf) -> str | None:
     if kinds:
         return (f"{type(hf).__name__} has {', '.join(sorted(kinds))} layers: their state cannot be rolled back "
                 f"to the accepted tokens (only {' and '.join(LAYERS)} layers can)")
+    rope = (getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}).get("rope_type")
+    if rope in ("longrope", "dynamic"):  # (a dict a layer kind, as Gemma 3 keeps, has no rope_type of its own)
+        return (f"rope_type {rope!r} picks its frequencies from the sequence's length, which a step's guessed "
+                "tokens would change: not supported here (model.py runs Phi-3's longrope)")
     attention = getattr(config, "_attn_implementation", None)
     if attention not in ATTENTION:
         return (f"attn_implementation={attention!r} cannot take lookahead's tree mask; load the model with "

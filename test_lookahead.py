@@ -2180,7 +2180,8 @@ def test_lookahead_in_transformers_folder_form_streams_and_returns_generates_out
 
 
 @pytest.mark.parametrize("case", ["batch", "beams", "padding", "static_cache", "repetition_penalty", "scores",
-                                  "stopping_criteria", "flex_attention", "linear_attention", "encoder_decoder"])
+                                  "stopping_criteria", "flex_attention", "linear_attention", "encoder_decoder",
+                                  "longrope"])
 def test_lookahead_in_transformers_refuses_what_it_cannot_do_in_one_line(case):
     import transformers
     from hf_backend import TransformersModel, lookahead_generate
@@ -2209,6 +2210,9 @@ def test_lookahead_in_transformers_refuses_what_it_cannot_do_in_one_line(case):
                                          linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2,
                                          num_experts_per_tok=1, moe_intermediate_size=16,
                                          shared_expert_intermediate_size=16))),
+        "longrope": lambda: TransformersModel(transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            **tiny, pad_token_id=None, original_max_position_embeddings=32,
+            rope_scaling=dict(type="longrope", short_factor=[1.0] * 4, long_factor=[2.0] * 4)))),
         "encoder_decoder": lambda: TransformersModel(transformers.T5ForConditionalGeneration(
             transformers.T5Config(vocab_size=16, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2))),
     }
