@@ -21,8 +21,9 @@ gives exactly that over a transformers model:
 transformers is imported only in this file: the project's own path runs without it. One
 sequence at a time (a batch is refused), eager or sdpa attention (they take any 4-D mask), and
 only models whose layers are full or sliding attention: a recurrent or linear-attention layer
-keeps a state that cannot be rolled back, and is refused before the first step, as are a
-static cache, flash or flex attention, and generation options the engine does not carry out.
+keeps a state that cannot be rolled back, and is refused before the first step, as are RoPE
+that follows the sequence's length (longrope, dynamic), a static cache, flash or flex attention,
+and generation options the engine does not carry out.
 """
 import inspect
 import weakref
