@@ -18,12 +18,12 @@ gives exactly that over a transformers model:
             step's roll back moves the accepted K/V next to `last`'s in every layer (the same
             moves as the engine's, cache.move_kv) and the rest is cropped at C
 
-transformers is imported only in this file: the project's own path runs without it. One
-sequence at a time (a batch is refused), eager or sdpa attention (they take any 4-D mask), and
-only models whose layers are full or sliding attention: a recurrent or linear-attention layer
-keeps a state that cannot be rolled back, and is refused before the first step, as are RoPE
-that follows the sequence's length (longrope, dynamic), a static cache, flash or flex attention,
-and generation options the engine does not carry out.
+Of the decoder's files only this one imports transformers: the project's own path runs
+without it. One sequence at a time (a batch is refused), eager or sdpa attention (they take any
+4-D mask), and only models whose layers are full or sliding attention: a recurrent or
+linear-attention layer keeps a state that cannot be rolled back, and is refused before the first
+step, as are RoPE that follows the sequence's length (longrope, dynamic), a static cache, flash
+or flex attention, and generation options the engine does not carry out.
 """
 import inspect
 import weakref
