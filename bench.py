@@ -7,6 +7,7 @@
     python bench.py --batch 8 --max-new-tokens 64    # the prompts one by one vs in batches of 8
     python bench.py --long --max-new-tokens 128      # ~500 to ~6,000-token summaries, prefill and decode apart
     python bench.py --busy                           # beside a process that keeps a core busy: a shared machine
+    python bench.py --peers                          # transformers' greedy, prompt lookup and lookahead beside
     python bench.py --contexts 2048 32768 131072     # compiled: K/V allocated and a step's cost per context
     python bench.py --dataset spec-bench --per-category 2 --configs dynamic dynamic:pool,recycling,jacobi \
         --plot spec_bench.png                        # Spec-Bench by category, transformers' peers beside
@@ -18,7 +19,8 @@ equal greedy's (they must: "yes"). Prints a table and the machine it ran on. Wit
 each decoder one prompt at a time vs B prompts per batch (tokens/s over all prompts, and whether
 every row equals its one-by-one output).
 With --dataset spec-bench: Spec-Bench's questions turn by turn, per category and overall, with
-transformers' greedy generate and prompt lookup decoding in the same run where it is installed;
+transformers' greedy generate, its prompt lookup decoding and lookahead through its generate
+(hf_backend) in the same run where it is installed (--peers: on the built-in prompts too);
 --warm adds each configuration again, warm: a drafts.Memory carried through the questions in
 file order (each timed repeat starts from what the answers before it left, never from its own).
 """
@@ -141,6 +143,27 @@ def print_tables(rows, results, labels, markdown):
         print_table(h, b, markdown)
         print()
     print_sources({r["config"]: r for r in rows[1:]}, markdown)
+
+
+def print_peers(peer_results, per_prompt, labels, markdown):
+    """transformers' decoders on the built-in prompts: tokens per forward pass after the prefill
+    (which gives the first token) and speed-up over our greedy (medians of the repeats, each prompt's and all prompts' summed), and a table of
+    each prompt's."""
+    greedy = [statistics.median(s) for s in per_prompt["greedy"]]
+    head = ["decoder", "tokens/step", "x our greedy", "per prompt: median", "worst", "same as greedy"]
+    body, speedups = [], {}
+    for name, runs in peer_results.items():
+        mine = [statistics.median(s) for s in per_prompt[name]]
+        speedups[name] = [g / m for g, m in zip(greedy, mine)]
+        body.append([name, f"{sum(t - 1 for t, _, _ in runs) / max(sum(s for _, s, _ in runs), 1):.2f}",
+                     f"{sum(greedy) / sum(mine):.2f}x", f"{statistics.median(speedups[name]):.2f}x",
+                     f"{min(speedups[name]):.2f}x", "yes" if all(ok for *_, ok in runs) else "NO"])
+    print_table(head, body, markdown)
+    print()
+    per_body = [[label] + [f"{speedups[name][i]:.2f}x, {(runs[i][0] - 1) / max(runs[i][1], 1):.2f}"
+                           for name, runs in peer_results.items()] for i, label in enumerate(labels)]
+    print_table(["prompt"] + [f"{name}: x our greedy, tokens/step" for name in peer_results], per_body, markdown)
+    print()
 
 
 SOURCE_HEAD = ["decoder", "draft source", "µs a step", "label", "guesses tested", "accepted", "rate",
@@ -748,8 +771,10 @@ def main(argv=None):
     ap.add_argument("--per-category", type=int, default=2, metavar="K",
                     help="with --dataset: the first K questions of each of its 13 categories, in the file's order "
                          "(default 2); MT-Bench's 8 categories have two turns a question, so K=1 is 21 answers, K=2 42")
-    ap.add_argument("--no-peers", dest="peers", action="store_false",
-                    help="with --dataset or --long: leave out transformers (greedy, prompt lookup, prefill)")
+    ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
+                    help="transformers' greedy, prompt lookup and lookahead through its generate on the same "
+                         "checkpoint, in the same run (default: with --dataset or --long, not with the built-in "
+                         "prompts); --no-peers leaves them out")
     ap.add_argument("--warm", nargs="?", const="also", choices=("also", "only"), default=None,
                     help="with --dataset: each configuration again, with a memory kept across the questions in order "
                          "(`--warm only`: with the memory alone)")
@@ -766,6 +791,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.busy < 0:
         ap.error("--busy takes N >= 0 processes")
+    if args.peers and (args.batch or args.contexts):
+        ap.error("--peers goes with the built-in prompts, --prompts, --dataset or --long")
+    if args.peers is None:
+        args.peers = bool(args.dataset or args.long is not None)
     if (args.warm or args.answers) and not args.dataset:
         ap.error("--warm and --answers go with --dataset spec-bench")
     if args.memory and not args.warm:
@@ -878,9 +907,14 @@ def run(args, argv) -> int:
     seconds = {name: [0.0] * args.repeats for name in names}
     per_prompt = {name: [] for name in names}  # [prompt][repeat] seconds
     results = {name: [] for name in names}
+    # transformers' decoders (--peers) take their turns in the same rotation: [prompt] ->
+    # (tokens, forward passes, same as our greedy), their seconds in per_prompt beside ours.
+    peers = transformers_peers(path, device, dtype, n_new, stop) if args.peers else {}
+    peer_results = {name: [] for name in peers}
+    per_prompt.update({name: [] for name in peers})
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
-        for name in names:
+        for name in per_prompt:
             per_prompt[name].append([])
         for r in range(args.repeats):
             ref = timed(lambda: greedy(ids), device)
@@ -888,7 +922,13 @@ def run(args, argv) -> int:
             per_prompt["greedy"][i].append(ref.seconds)
             if r == 0:
                 results["greedy"].append((ref, True))
-            for name, cfg in rotated(list(zip(names[1:], configs)), r):
+            for name, cfg in rotated(list(zip(names[1:], configs)) + [(name, None) for name in peers], r):
+                if cfg is None:
+                    tokens, steps, secs = peers[name](ids)
+                    per_prompt[name][i].append(secs)
+                    if r == 0:
+                        peer_results[name].append((len(tokens), steps, tokens == ref.tokens))
+                    continue
                 gen = timed(lambda: lookahead(ids, cfg), device)
                 seconds[name][r] += gen.seconds
                 per_prompt[name][i].append(gen.seconds)
@@ -903,14 +943,19 @@ def run(args, argv) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(dict(
                 machine=machine(device), dtype=str(dtype), device=str(device), max_new_tokens=n_new, repeats=args.repeats,
-                prompts=labels[:i + 1], rows=rows), indent=1))
+                prompts=labels[:i + 1], rows=rows, peers={name: dict(
+                    seconds=per_prompt[name], runs=[dict(tokens=t, steps=n, identical=ok) for t, n, ok in runs])
+                    for name, runs in peer_results.items()}), indent=1))
     print_tables(rows, results, labels, args.markdown)
+    if peers:
+        print_peers(peer_results, per_prompt, labels, args.markdown)
     if curve:
         print_projection(rows, results, sum(g.steps for g, _ in results["greedy"]), curve, args.costs)
         if args.json:
             data = json.loads(Path(args.json).read_text())
             Path(args.json).write_text(json.dumps(dict(data, rows=rows), indent=1))
-    return 0 if all(row["identical"] for row in rows) else 1
+    same = all(row["identical"] for row in rows) and all(ok for runs in peer_results.values() for *_, ok in runs)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

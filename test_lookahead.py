@@ -1936,6 +1936,42 @@ def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
             assert sum(choice["accept_lengths"]) == sum(a[name]["tokens"] - 1 for a in turns)  # the first: the prefill's
 
 
+def test_bench_built_in_prompts_with_transformers_peers(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """--peers on the built-in path: transformers' greedy, prompt lookup and lookahead through its
+    generate take their turns beside ours, each prompt's answer checked against our greedy; a
+    peer that answers differently fails the run."""
+    import bench
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w7 w8 w9 w7 w8", "chat": false}\n{"prompt": "w9 w9", "chat": true}\n')
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--configs", "2,3,2", "--max-new-tokens", "8",
+            "--repeats", "2", "--peers", "--json", str(out)]
+    code = bench.main(argv)
+    table = capsys.readouterr().out
+    assert code == 0, table
+    peers = json.loads(out.read_text())["peers"]
+    assert list(peers) == ["transformers greedy", "transformers PLD", "transformers lookahead"]
+    for name, peer in peers.items():
+        assert [len(s) for s in peer["seconds"]] == [2, 2] and all(r["identical"] for r in peer["runs"]), name
+    # transformers' greedy: a forward a token after the prefill's, which gives the first
+    assert all(r["steps"] == r["tokens"] - 1 for r in peers["transformers greedy"]["runs"])
+    assert "transformers lookahead: x our greedy, tokens/step" in table and "NO" not in table
+
+    real = bench.transformers_peers
+
+    def one_wrong(*args):
+        runs = real(*args)
+        greedy = runs["transformers greedy"]
+        runs["transformers greedy"] = lambda ids: (lambda t, n, s: (t[:-1] + [t[-1] + 1], n, s))(*greedy(ids))
+        return runs
+    monkeypatch.setattr(bench, "transformers_peers", one_wrong)
+    assert bench.main(argv) == 1
+    table = capsys.readouterr().out
+    assert any(line.split()[:2] == ["transformers", "greedy"] and "NO" in line.split() for line in table.splitlines())
+    with pytest.raises(SystemExit):
+        bench.main(["--batch", "2", "--peers"])
+
+
 def stop_greedy_after(monkeypatch, bench, runs: int):
     """bench's greedy decodes `runs` times, then raises KeyboardInterrupt: a run cut short."""
     real, calls = bench.greedy_decode, []
