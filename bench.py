@@ -147,8 +147,8 @@ def print_tables(rows, results, labels, markdown):
 
 def print_peers(peer_results, per_prompt, labels, markdown):
     """transformers' decoders on the built-in prompts: tokens per forward pass after the prefill
-    (which gives the first token) and speed-up over our greedy (medians of the repeats, each prompt's and all prompts' summed), and a table of
-    each prompt's."""
+    (which gives the first token) and speed-up over our greedy (medians of the repeats, all
+    prompts' summed), then each prompt's."""
     greedy = [statistics.median(s) for s in per_prompt["greedy"]]
     head = ["decoder", "tokens/step", "x our greedy", "per prompt: median", "worst", "same as greedy"]
     body, speedups = [], {}
