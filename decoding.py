@@ -139,20 +139,13 @@ def rope_switch(model: Transformer) -> int | None:
     return s["original_max_position_embeddings"] if s and s["rope_type"] == "longrope" else None
 
 
-def step_limit(model: Transformer, C: int) -> int:
-    """How many tokens a step of a row with C committed slots may hold: the cache's free slots,
-    and before a longrope switch (Phi-3) no position past it (see switch_rope)."""
-    switch = rope_switch(model)
-    return min(model.cache.slots - C, switch - C if switch is not None and C < switch else model.cache.slots)
-
-
 def switch_rope(model: Transformer, row: int, C: int, prompt: list[int], tokens: list[int]) -> bool:
     """Phi-3's longrope rotates a sequence longer than its original context with other factors,
     all of its tokens. transformers' greedy decoding drops its cache at the step where the
     sequence grows past that length and runs it whole; here the row's committed tokens and its
     `last` (prompt + tokens, C + 1 tokens; joined only then) are run again into their slots, so
     that every later step sees exactly those keys. Steps before that keep their positions before
-    the switch (step_limit)."""
+    the switch (before_step)."""
     if C == rope_switch(model):
         run_prompt(model, prompt + tokens, row)
         return True
@@ -160,13 +153,16 @@ def switch_rope(model: Transformer, row: int, C: int, prompt: list[int], tokens:
 
 
 def before_step(model, policy, rows) -> int:
-    """The most tokens this step may hold (free cache, the policy's largest size); each row's
-    expected_guesses and the draft sources the policy asks (drafts.py); longrope's switch
-    (switch_rope)."""
-    limit = min(policy.largest, *(step_limit(model, row.C) for row in rows))
+    """The most tokens this step may hold: the cache's free slots, the policy's largest size,
+    and before a longrope switch (switch_rope) no position past it; each row's expected_guesses
+    and the draft sources the policy asks (drafts.py). (One function, not one a part: after a
+    CPU forward each function a step calls starts cold.)"""
+    switch, slots, limit = rope_switch(model), model.cache.slots, policy.largest
+    for row in rows:
+        limit = min(limit, slots - row.C, switch - row.C if switch is not None and row.C < switch else slots)
     expected_guesses = min(limit, policy.expected_size(len(rows))) - 1  # all of a step but `last`
     for j, row in enumerate(rows):
-        if switch_rope(model, j, row.C, row.prompt, row.tokens):
+        if row.C == switch and switch_rope(model, j, row.C, row.prompt, row.tokens):
             row.moves = []  # every committed slot written anew: nothing to roll back
         row.expected_guesses, row.proposers = expected_guesses, policy.proposers(row)
     return limit

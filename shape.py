@@ -140,6 +140,7 @@ class DynamicShape:
         size = step_size(1 + (MAX_WINDOW + MAX_CANDIDATES) * (N - 1))
         self.largest = min(MAX_STEP, 2 * size)
         self.check = GreedyCheck() if costs is None else None  # a given cost model: shapes from it alone
+        self.resting = False  # while the check finds lookahead losing: one-token steps
 
     def costs(self, B: int) -> "StepCosts":
         costs = self.step_costs.get(B)
@@ -154,29 +155,26 @@ class DynamicShape:
     def candidates_per_source(self, pooled: bool) -> None:
         return None  # every candidate: the plan keeps those worth their cost
 
-    def resting(self) -> bool:
-        return self.check is not None and self.check.rest > 0
-
     def proposers(self, row) -> list:
         ledger = once(self.ledgers, row, lambda: SourceLedger(row.sources))
-        return [] if self.resting() else ledger.proposers()
+        return [] if self.resting else ledger.proposers()
 
     def plan(self, rows, trees, limit: int) -> list[Plan]:
-        if self.resting():  # one-token steps: `last` alone (no source was asked), no window
+        if self.resting:  # one-token steps: `last` alone (no source was asked), no window
             return [Plan(tree, 0, Shape(0, 0, 0, 1)) for tree in trees]
         return choose_shape([RowState(tree, once(self.acceptance, row, Acceptance), len(row.window) or 1, MAX_WINDOW,
                                       row.jacobi in row.proposers) for row, tree in zip(rows, trees)],
                             self.costs(len(rows)), limit)
 
     def observe(self, rows, steps, T: int, seconds: float):
-        resting = self.resting()
         for row, step in zip(rows, steps):
             tested = list(labelled(step.tree, {0, *step.path}))  # the guesses the step tested, walked once for both
             self.acceptance[row].record(step.tree, step.path, step.columns, tested)
-            self.ledgers[row].record(row, step, seconds, tested, asked=not resting)
+            self.ledgers[row].record(row, step, seconds, tested, asked=not self.resting)
         self.costs(len(rows)).record(T, seconds)
         if self.check is not None:
             self.check.record(T, sum(len(step.committed) for step in steps), seconds)
+            self.resting = self.check.rest > 0  # the next steps one-token steps (an attribute: read per row)
 
     def guesses(self, row) -> dict:
         """The row's guesses by label, [tested, accepted, accepted that no other label proposed]:
@@ -235,9 +233,12 @@ class SourceLedger:
             for labels in on_path.values():
                 if len(labels) == 1:  # for bench.py's table
                     self.alone[labels[0]] = self.alone.get(labels[0], 0) + 1
-                makers = {row.made_by[label] for label in labels}
-                if len(makers) == 1:
-                    s, = makers
+                s = row.made_by[labels[0]] if labels else None  # one source made them all, or None
+                for label in labels:  # (a loop, not a set: after a CPU forward each comprehension starts cold)
+                    if row.made_by[label] is not s:
+                        s = None
+                        break
+                if s is not None:
                     own[s] = own.get(s, 0) + 1
         for s in self.sources:
             spent, self.spent_before[s] = row.spent[s] - self.spent_before[s], row.spent[s]
