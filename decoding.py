@@ -5,8 +5,10 @@ rows of the KV cache (prefill), and a decoder returns a Generation per prompt. g
 sample_decode run one token per forward, for one prompt or a batch (one_by_one): the output and
 the distribution that lookahead.py must give, token for token.
 """
+import gc
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -185,6 +187,23 @@ def drop_finished(model: Transformer, active: list[int], done, gens: list[Genera
     return keep
 
 
+@contextmanager
+def no_cycle_collection():
+    """Python's cyclic garbage collector off while a decoder runs, restored after: a decode
+    makes no reference cycles (tested), so each collection would walk every object the process
+    holds (the model, the pool, the sources' indexes) and find nothing, at about 15 us a step of
+    host work on a CPU (docs/PERFORMANCE.md). Whatever the caller's callbacks leave in cycles
+    is collected once it is back on."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@no_cycle_collection()
 def one_by_one(model, prompts, max_new_tokens, stop_ids, on_tokens, sampling, seed=0) -> list[Generation]:
     """Prefill, then one token per forward for each row, reusing the cache. Row b's last token
     sits at slot and position C[b]; every step runs every unfinished row's last token."""

@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from decoding import Generation, before_step, check_requests, drop_finished, ensure_cache, per_row
+from decoding import (Generation, before_step, check_requests, drop_finished, ensure_cache, no_cycle_collection,
+                      per_row)
 from drafts import Candidate, CandidateTree, JacobiGuess, PoolSource, predictions, prefill_with_rankings
 from lookahead import StepRecord, commit, fill_window, rollback_moves, update_window, verify_greedy
 from sampling import Sampling, verify_sampled
@@ -197,6 +198,7 @@ def start_rows(model, rows: list[Sequence], sampling: Sampling, expected_guesses
 
 
 @torch.inference_mode()
+@no_cycle_collection()
 def generate_batch(model, prompts, max_new_tokens, *, window=None, ngram=None, candidates=None, stop_ids=(), seed=0,
                    temperature=0.0, top_k=0, top_p=1.0, output_ngrams=True, drafts=None, costs=None, memory=None,
                    on_tokens=None, on_step=None) -> list[Generation]:

@@ -948,6 +948,31 @@ def test_a_models_step_buffer_outlives_the_request():
     assert max(outside[0]) > 3 and set(outside[1]) == {3}, outside
 
 
+@pytest.mark.parametrize("decode", ["lookahead", "lookahead batch", "greedy"])
+def test_a_decode_makes_no_reference_cycles_and_leaves_the_collector_as_it_found_it(decode):
+    # The decoders run with the cyclic collector off (decoding.no_cycle_collection): sound only
+    # while a decode leaves nothing for it to collect, every source and both shapes included.
+    import gc
+    model, prompt = random_model(seed=8, vocab_size=8), [1, 2, 3, 1, 2, 3, 1, 2]
+    run = {"lookahead": lambda: generate(model, prompt, 40, memory=Memory()),
+           "lookahead batch": lambda: generate_batch(model, [prompt, prompt[:5]], 30, window=3, candidates=3,
+                                                     drafts=lambda seq: [seq.pool, SuffixSource(), JacobiGuess(),
+                                                                         TokenRecycling()]),
+           "greedy": lambda: greedy_decode_batch(model, [prompt, prompt[:5]], 30)}[decode]
+    run()  # what a first request makes once (the model's step buffer, its cost table)
+    gc.collect()
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            seen = []
+            with mock.patch.object(gc, "disable", lambda real=gc.disable: (seen.append(gc.isenabled()), real())):
+                run()
+            assert seen and gc.isenabled() == enabled  # off inside, as it was after
+            assert gc.collect() == 0  # nothing the collector would have found
+        finally:
+            gc.enable()
+
+
 def test_stop_inside_an_accepted_ngram():
     # Find a step that accepts several tokens, and make one in its middle (not seen before) the
     # stop id: generation must end right there, as greedy's does.
