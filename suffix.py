@@ -16,6 +16,9 @@ is offered too, after the chains: the guesses form a tree. Their labels say the 
 one's chance apart, and each states its prior (MATCH_PRIORS).
 
 The index holds the prompt and every committed token (observe: O(new tokens x longest) a step).
+Contexts of up to 8 tokens (`longest`): on Spec-Bench (1 a category, 64 tokens) 8, 16 and 32
+tested and accepted the very same guesses (4 and 6 accepted fewer), and 8 costs the host about
+two thirds of 16's time (docs/PERFORMANCE.md).
 With a Memory it lives in the memory's table for this source, so later requests find what
 earlier ones said (SuffixDecoding's global tree); without, each row keeps its own.
 """
@@ -31,7 +34,7 @@ MATCH_PRIORS = ((6, "suffix6", 0.75, 0.95), (3, "suffix3", 0.5, None), (2, "suff
 
 
 class SuffixSource(DraftSource):
-    def __init__(self, longest: int = 16, branches: int = 3, depth: int = 32):
+    def __init__(self, longest: int = 8, branches: int = 3, depth: int = 32):
         if longest < 1 or branches < 1 or depth < 1:
             raise ValueError(f"SuffixSource needs longest, branches and depth >= 1 (got {longest}, {branches}, {depth})")
         self.longest, self.branches, self.depth = longest, branches, depth

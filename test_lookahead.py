@@ -424,8 +424,8 @@ def test_a_suffix_sources_memory_is_shared_only_when_asked_and_changes_no_output
     memory = Memory()
     first = generate(model, prompt, 40, drafts=drafts, **shape, memory=memory)
     table = memory.table(SuffixSource())
-    assert len(table) > 0 and list(memory.tables) == ["suffix.SuffixSource(longest=16, branches=3, depth=32)"]
-    assert memory.table(SuffixSource(longest=16)) is table and memory.table(SuffixSource(longest=8)) is not table
+    assert len(table) > 0 and list(memory.tables) == ["suffix.SuffixSource(longest=8, branches=3, depth=32)"]
+    assert memory.table(SuffixSource(longest=8)) is table and memory.table(SuffixSource(longest=16)) is not table
     second = generate(model, prompt, 40, drafts=drafts, **shape, memory=memory)
     third = generate(model, prompt, 40, drafts=drafts, **shape)
     assert first.tokens == second.tokens == third.tokens == want
