@@ -265,9 +265,10 @@ class Memory:
 
     Bounded: at most `keys` first tokens (pool), `keys` contexts (recycling) and `keys` keys in
     each other source's table, the least recently used dropped first (Recent); each key holds
-    at most the pool's cap of n-grams (a source bounds what its own keys hold)."""
+    at most the pool's cap of n-grams (a source bounds what its own keys hold: the suffix
+    source's one key, its automaton, at most `keys` states)."""
 
-    FORMAT, VERSION = "lookahead-memory", 1
+    FORMAT, VERSION = "lookahead-memory", 2
 
     def __init__(self, keys: int = 1 << 16):
         self.keys = keys

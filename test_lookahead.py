@@ -29,6 +29,7 @@ from explain import explain_step
 import engine
 import lookahead
 import step_inputs
+import suffix
 from drafts import Candidate, DraftSource, JacobiGuess
 from engine import RowStep, generate, generate_batch
 from lookahead import NGramPool, Tree
@@ -379,6 +380,88 @@ def test_a_learning_source_is_exact_in_both_shapes(source, seed, vocab, N, max_n
     assert got.tokens == greedy_decode(model, prompt, max_new).tokens
 
 
+class ContextTable:
+    """The suffix source's index as plainly as it can be kept: every context of 1 to `longest`
+    tokens -> {token after it: [count, clock]}, each context apart, and its guesses by the same
+    rules (suffix.py's docstring). SuffixAutomaton keeps the same tables, shared by the contexts
+    that occurred in the same places; the property below checks the two guess alike."""
+
+    def __init__(self, longest, branches, depth):
+        self.longest, self.branches, self.depth, self.index, self.clock = longest, branches, depth, {}, 0
+
+    def add(self, text, new):  # the last `new` tokens of a text (none of its contexts reach another text)
+        for i in range(len(text) - new, len(text)):
+            token = text[i]
+            self.clock += 1
+            for d in range(1, min(self.longest, i) + 1):
+                after = self.index.setdefault(tuple(text[i - d:i]), {})
+                if token not in after and len(after) >= suffix.MOST_AFTER:
+                    del after[min(after, key=lambda t: after[t])]
+                seen = after.setdefault(token, [0, 0])
+                seen[0], seen[1] = seen[0] + 1, self.clock
+
+    def match(self, context, most):
+        for d in range(min(most, len(context)), 0, -1):
+            if self.index.get(tuple(context[-d:])):
+                return d, self.index[tuple(context[-d:])]
+        return 0, None
+
+    def propose(self, text, k):
+        context = text[-self.longest:]
+        length, after = self.match(context, self.longest)
+        if not length:
+            return []
+        depth = min(k, self.depth, 4 * length + 4)
+        _, label, prior, prior_next = next(m for m in suffix.MATCH_PRIORS if length >= m[0])
+        out, forks = [], []
+        for rank, first in enumerate(sorted(after, key=lambda t: after[t], reverse=True)[:self.branches]):
+            chain, ctx, d = [first], context + [first], length
+            while len(chain) < depth:
+                d, next_after = self.match(ctx, min(self.longest, d + 1))
+                if not d:
+                    break
+                best = sorted(next_after, key=lambda t: next_after[t], reverse=True)[:2]
+                if rank == 0 and len(best) > 1:
+                    forks.append(tuple(chain) + (best[1],))
+                chain.append(best[0])
+                ctx.append(best[0])
+            out.append((tuple(chain), label, prior, prior_next))
+        return out + [(fork, label, prior, prior_next) for fork in forks]
+
+
+@settings(max_examples=150, deadline=None)
+@given(vocab=st.integers(2, 8), longest=st.integers(1, 8), branches=st.integers(1, 4), depth=st.integers(1, 12),
+       data=st.data())
+def test_the_suffix_automaton_guesses_what_a_table_of_every_context_would(vocab, longest, branches, depth, data):
+    # Requests one after another, sharing one Memory (the automaton holds several texts) or each
+    # its own; each a prompt, then steps committing 1 to 5 tokens: after every step the
+    # SuffixSource proposes exactly what ContextTable proposes from the same texts.
+    shared = data.draw(st.booleans())
+    memory, table = Memory(), ContextTable(longest, branches, depth)
+    for _ in range(data.draw(st.integers(1, 3))):
+        text = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40))
+        seq = SimpleNamespace(prompt=text[:data.draw(st.integers(1, len(text)))], tokens=[])
+        source = SuffixSource(longest, branches, depth)
+        if shared:
+            source.remember(memory)
+        else:
+            table = ContextTable(longest, branches, depth)
+        source.observe(seq, None)
+        done = len(seq.prompt)
+        table.add(seq.prompt, done)
+        while True:
+            k = data.draw(st.integers(1, 12))
+            assert [(c.tokens, c.source, c.prior, c.prior_next) for c in source.propose(seq, k)] == \
+                table.propose(text[:done], k)
+            if done == len(text):
+                break
+            step = data.draw(st.integers(1, min(5, len(text) - done)))
+            seq.tokens += text[done:done + step]
+            source.observe(seq, None)
+            done += step
+            table.add(text[:done], step)
+
+
 def test_the_suffix_source_continues_the_longest_suffix_seen_before():
     # Text 5 1 2 3 4 6 1 2 | 3: "1 2 3" (3 tokens) occurred before, followed by 4, then 6 1 2 (each
     # the longest context's continuation), as deep as `depth` allows here; a second branch comes
@@ -432,7 +515,8 @@ def test_a_suffix_sources_memory_is_shared_only_when_asked_and_changes_no_output
     assert second.steps < first.steps == third.steps, (first.steps, second.steps, third.steps)
     small = Memory(keys=5)
     generate(model, prompt, 40, drafts=drafts, **shape, memory=small)
-    assert len(small.table(SuffixSource())) == 5  # bounded
+    automaton = small.table(SuffixSource())["automaton"]  # bounded: at most `keys` states, emptied when full
+    assert len(automaton["length"]) <= 5 and automaton["epoch"] > 0
 
 
 def test_a_saved_memory_is_the_same_memory_in_the_next_run_and_a_bad_file_is_refused(tmp_path):
