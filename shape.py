@@ -18,7 +18,6 @@ import statistics
 import weakref
 from collections import deque
 from dataclasses import dataclass, replace
-from itertools import accumulate
 from typing import NamedTuple
 
 from lookahead import pool_cap
@@ -28,6 +27,7 @@ from model import STEP_SIZES, step_size
 MAX_WINDOW, MAX_CANDIDATES, MAX_STEP = 16, 16, STEP_SIZES[-1]
 JACOBI_PRIOR = 0.3  # the Jacobi guess's candidates state Candidate's default prior
 UNSEEN = (0, 0)  # an Acceptance key's hits and trials before its first test
+WIDTHS = (0,) + tuple(1 << i for i in range(16))  # the window widths a dynamic step may run
 
 
 @dataclass
@@ -388,7 +388,7 @@ class Acceptance:
         self.window_columns = 0  # window columns run, summed over steps
 
     def p(self, key, prior: float) -> float:
-        hits, trials = self.counts.get(key, UNSEEN)  # (chances runs this sum inline)
+        hits, trials = self.counts.get(key, UNSEEN)  # (chances and step_values run this sum inline)
         return (hits + 2 * (prior / 2 ** key[2])) / (trials + 2)
 
     def record(self, tree, path: list[int], w: int, tested=None):
@@ -463,14 +463,17 @@ def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limi
     value = chance[:]
     if jacobi and tree.children[0]:  # the first candidate also leaves the next step's Jacobi guess
         first = tree.first_chain(next(iter(tree.children[0].values())))
-        rejected, reach = 1 - chance[first[0]], 1.0
+        rejected, reach, counts = 1 - chance[first[0]], 1.0, acceptance.counts.get
         for depth, i in enumerate(first, 1):
-            reach *= acceptance.p(("jacobi", depth, 0), JACOBI_PRIOR)
+            hits, trials = counts(("jacobi", depth, 0), UNSEEN)  # Acceptance.p inline (its key's rank is 0)
+            reach *= (hits + 2 * JACOBI_PRIOR) / (trials + 2)
             value[i] += rejected * reach
     order = sorted(range(1, len(tree)), key=lambda i: (-value[i], tree.depth[i]))
-    prefix = list(accumulate((value[i] for i in order), initial=0.0))  # the value of the best n: prefix[n]
+    prefix = [0.0]  # the value of the best n: prefix[n]
+    for i in order:
+        prefix.append(prefix[-1] + value[i])
     col_value = acceptance.window_yield()
-    widths = [0] + [1 << i for i in range(max_window.bit_length())]  # 0 and the powers of two to max_window
+    widths = WIDTHS[:max_window.bit_length() + 1]  # 0 and the powers of two to max_window
     best, here, size = {}, (1.0, 0, 0), 1  # `last` alone, or a smaller step padded
     while size <= limit:
         for w in widths:

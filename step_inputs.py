@@ -188,8 +188,11 @@ def pack_inputs(model, rows, parts: list, T: int, buffer: StepBuffer):
     the committed_range of committed lengths (host), the positions read (B, R) and the step before's roll
     back, (B, 2, M) slots (from, to), padded with slot 0 onto itself (None: none); the rows'
     moves, sent, are cleared. parts: each row's row_inputs, its mask written in buffer.masks."""
-    B, R = len(rows), max(len(read) for *_, read in parts)
-    M = max(len(row.moves) for row in rows)
+    # The rows' most positions read (R) and moves (M), and least and most committed lengths: one
+    # loop, as after a CPU forward each generator expression's code starts cold.
+    B, R, M, low, high = len(rows), 0, 0, rows[0].C, rows[0].C
+    for row, (*_, read) in zip(rows, parts):
+        R, M, low, high = max(R, len(read)), max(M, len(row.moves)), min(low, row.C), max(high, row.C)
     if model.compiled is not None and M:  # a compiled step takes a fixed number of moves
         if M > model.compiled.MOVES:  # more than its graph takes: done eagerly, once
             rollback_now(model, rows)
@@ -202,8 +205,7 @@ def pack_inputs(model, rows, parts: list, T: int, buffer: StepBuffer):
                       [s for s, _ in moves] + [d for _, d in moves])  # in ROW_INTS' order, row_ints' sizes
         row.moves = []
     tokens, positions, C, mask, read, moves = buffer.load(ints, B, T, S, R, M)
-    committed_range = min(row.C for row in rows), max(row.C for row in rows)
-    return tokens, positions, C, mask, committed_range, read, moves
+    return tokens, positions, C, mask, (low, high), read, moves
 
 
 def rollback_now(model, rows):
