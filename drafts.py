@@ -16,6 +16,7 @@ import torch
 
 from decoding import prefill
 from lookahead import NGramPool, Tree
+from sampling import argmax
 
 
 @dataclass(slots=True)
@@ -407,8 +408,8 @@ def predictions(logits, rows):
     best tokens there: (pred, rankings), host lists, in one host sync."""
     k = rankings_wanted(rows)
     if not k:
-        return logits.argmax(-1).tolist(), [None] * len(rows)
-    best = torch.cat((logits.argmax(-1, keepdim=True), logits.topk(k, dim=-1).indices), dim=-1).tolist()
+        return argmax(logits).tolist(), [None] * len(rows)
+    best = torch.cat((argmax(logits, keepdim=True), logits.topk(k, dim=-1).indices), dim=-1).tolist()
     return [[r[0] for r in rs] for rs in best], [[r[1:] for r in rs] for rs in best]
 
 

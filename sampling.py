@@ -10,6 +10,14 @@ from dataclasses import dataclass
 import torch
 
 
+def argmax(logits: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """logits.argmax(-1), read as torch.max's indices: the same index (the first of equal
+    largest values, as both document), but on a CPU torch's argmax kernel takes 2-3x as long as
+    max's, and a lookahead step reads the argmax after every position it reads
+    (docs/PERFORMANCE.md)."""
+    return logits.max(-1, keepdim=keepdim).indices
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Temperature, top-k (0 = off) and top-p (1 = off). Temperature 0 or top_k 1 is greedy."""
@@ -47,7 +55,7 @@ class Sampling:
         """(B, V) logits -> (B, 1) tokens: the argmax when greedy, else a draw from probs with
         row b's own generator."""
         if self.greedy:
-            return logits.argmax(-1, keepdim=True)
+            return argmax(logits, keepdim=True)
         probs = self.probs(logits)
         return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])[:, None]
 

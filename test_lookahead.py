@@ -23,6 +23,7 @@ from cli import main
 import decoding
 from decoding import Sampling, greedy_decode, greedy_decode_batch, rope_switch, sample_decode
 from recycling import TEMPLATE, TokenRecycling
+from sampling import argmax as sampling_argmax
 from suffix import SuffixSource
 from drafts import Memory
 from explain import explain_step
@@ -953,7 +954,9 @@ def test_a_greedy_step_syncs_once_and_so_does_a_lookahead_step():
         greedy.append((counter.syncs[0], steps))
     (s1, n1), (s2, n2) = greedy
     assert (s2 - s1) / (n2 - n1) == 1
-    for shape in ({}, dict(window=4, ngram=4, candidates=4)):
+    # The dynamic shape under a flat cost model: measured costs would let a busy machine's clock
+    # decide whether any step holds guesses at all.
+    for shape in (dict(costs=StepCosts.flat()), dict(window=4, ngram=4, candidates=4)):
         counter = HostWork()
         with mock.patch.object(engine, "batch_step", counter.wrap(model, engine.batch_step)):
             got = generate(model, prompt, 40, **shape)
@@ -1510,6 +1513,20 @@ def test_temperature_zero_and_top_k_one_are_greedy(seed, W, N, G, greedy_by):
     expected = greedy_decode(model, prompt, 30).tokens
     assert generate(model, prompt, 30, window=W, ngram=N, candidates=G, seed=seed, **options).tokens == expected
     assert sample_decode(model, prompt, 30, seed=seed, **options).tokens == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 5), vocab=st.sampled_from([3, 64, 1000, 49152]),
+       levels=st.integers(1, 4), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_the_argmax_the_engine_reads_is_the_first_largest(seed, rows, vocab, levels, dtype):
+    """sampling.argmax (torch.max's indices, faster on a CPU than torch.argmax) picks what greedy
+    means, the first of equal largest logits, wherever the ties fall: logits drawn from a few
+    levels tie in most rows."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (2, rows, vocab), generator=g).to(dtype)
+    first = [[row.index(max(row)) for row in b] for b in logits.tolist()]
+    assert sampling_argmax(logits).tolist() == first == logits.argmax(-1).tolist()
+    assert sampling_argmax(logits, keepdim=True).shape == (2, rows, 1)
 
 
 def test_sampling_is_reproducible_with_a_seed():
