@@ -265,7 +265,7 @@ class State:
 
 def lookahead_step(model, s: State, W: int, N: int, G: int, max_new: int, stop) -> StepRecord:
     """One forward, the eight parts of the module docstring."""
-    last, C = s.tokens[-1], s.C
+    last, C, dev = s.tokens[-1], s.C, model.device
     # 1. Candidates: the pool's first G n-grams that start with `last` (those seen after the
     #    token before it first), none past max_new, merged into the trie.
     K = min(N - 1, max_new - len(s.tokens) - 1)
@@ -284,7 +284,6 @@ def lookahead_step(model, s: State, W: int, N: int, G: int, max_new: int, stop) 
     read = list(range(size)) + list(range(size + (L - 1) * W, size + L * W))  # trie, newest level
     # 4. Forward: the step's tokens fill slots C .. C+T-1, each seeing every committed slot
     #    too; the logits at the tokens read only.
-    dev = model.device
     logits = model(torch.tensor([tokens], device=dev),
                    positions=torch.tensor([[C + o for o in offsets]], device=dev),
                    committed=torch.tensor([[C]], device=dev), mask=mask[None].to(dev),

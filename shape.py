@@ -445,18 +445,15 @@ def chances(tree, acceptance: Acceptance) -> list[float]:
 
 
 def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limit: int, jacobi: bool = True):
-    """What a step of each size of the menu (up to limit) is worth to one row: {size: (expected
-    tokens, n guesses, w window columns)} for the best step that fits in it, and the guesses in
-    order of value (the best n are order[:n]).
+    """What each step size of the menu up to limit is worth to one row -> (order, best): the guesses
+    by value, and best[size] = (expected tokens, n guesses order[:n], w window columns).
 
-    A guess is worth its chance to be accepted (chances). Where the row has a Jacobi guess
-    (`jacobi`), the first candidate's guesses (the pool's best, where it has one) are worth more:
-    when it is rejected near its start, its rows become the next step's Jacobi guess (the bonus
-    makes it the most valuable, and keep puts it first), so each also carries the chance that
-    the guess it leaves is accepted then. (Measured on the built-in prompts under fixed cost
-    tables: 265 steps against 275 with the bonus on the likeliest candidate instead.) A child is never worth more
-    than its parent, so the best k guesses for k slots are the k most valuable, and a step of
-    size T with w columns of L levels expects
+    A guess is worth its chance to be accepted (chances). Where the row has a Jacobi guess, the
+    first candidate's guesses are worth more: rejected near its start, its rows become the next
+    step's Jacobi guess (the bonus makes it the most valuable, and keep puts it first), so each
+    also carries the chance that that guess is accepted then (docs/PERFORMANCE.md). A child is
+    never worth more than its parent, so the best k guesses for k slots are the k most valuable,
+    and a step of size T with w columns of L levels expects
         1 + (the value of its T-1-w*L best guesses) + w * (what a window column yields)
     tokens. Every window width is tried; what fits in a size fits, padded, in the next."""
     chance = chances(tree, acceptance)
