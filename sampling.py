@@ -12,9 +12,8 @@ import torch
 
 def argmax(logits: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     """logits.argmax(-1), read as torch.max's indices: the same index (the first of equal
-    largest values, as both document), but on a CPU torch's argmax kernel takes 2-3x as long as
-    max's, and a lookahead step reads the argmax after every position it reads
-    (docs/PERFORMANCE.md)."""
+    largest values, as both document), but torch's argmax kernel is the slower on a CPU, and a
+    lookahead step reads the argmax after every position it reads (docs/PERFORMANCE.md)."""
     return logits.max(-1, keepdim=keepdim).indices
 
 
