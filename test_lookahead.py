@@ -1520,10 +1520,14 @@ def test_temperature_zero_and_top_k_one_are_greedy(seed, W, N, G, greedy_by):
        levels=st.integers(1, 4), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
 def test_the_argmax_the_engine_reads_is_the_first_largest(seed, rows, vocab, levels, dtype):
     """sampling.argmax (torch.max's indices, faster on a CPU than torch.argmax) picks what greedy
-    means, the first of equal largest logits, wherever the ties fall: logits drawn from a few
-    levels tie in most rows."""
+    means, the first of equal largest logits, wherever the ties fall: below the top, logits drawn
+    from a few levels; the top value at 1 to 3 random places a row, late in the row as often as
+    early."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randint(0, levels, (2, rows, vocab), generator=g).to(dtype)
+    logits = torch.randint(0, levels, (2, rows, vocab), generator=g)
+    for row in logits.view(-1, vocab):
+        row[torch.randint(0, vocab, (int(torch.randint(1, 4, (), generator=g)),), generator=g)] = levels
+    logits = logits.to(dtype)
     first = [[row.index(max(row)) for row in b] for b in logits.tolist()]
     assert sampling_argmax(logits).tolist() == first == logits.argmax(-1).tolist()
     assert sampling_argmax(logits, keepdim=True).shape == (2, rows, 1)
