@@ -8,7 +8,9 @@ log of its softmax's normaliser. Two parts then merge into attention over both s
 
     out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b) = lerp(out_b, out_a, sigmoid(lse_a - lse_b))
 
-so no (T, S) mask is ever built, and grouped-query heads share one mask entry per token.
+so no (T, S) mask is ever built, and grouped-query heads share one mask entry per token. On a
+CPU a step of a few tokens is the exception (step_masks, ONE_CALL_CPU): there one fused call over
+both sets under one small mask costs less than two calls and a merge.
 """
 import torch
 import torch.nn.functional as F
@@ -106,17 +108,26 @@ def merge(a, b):
     return torch.lerp(out_b.to(wide), out_a.to(wide), torch.sigmoid(lse_a - lse_b))
 
 
+# The most tokens a step may hold for its own keys to be read with the committed ones in one call
+# on a CPU (step_masks): SmolLM2-135M on a 2-core EPYC, 200 tokens committed, a step of 2 to 64
+# tokens took 1-6% less time so; 128 tokens, or 2,500 committed and 8 tokens, the same or more
+# (docs/PERFORMANCE.md).
+ONE_CALL_CPU = 32
+
+
 def step_masks(positions, committed, mask, lo: int, hi: int, dtype, sliding_window=None, groups=1):
     """What a call's tokens attend to in the layers of one kind (sliding_window: a sliding layer's
     width), as (own, prefix) for model.Attention: built once a forward, in the dtype the kernels
     read, shared by those layers.
 
-    own: None (causal), False (a one-token step: its slot is read with the committed ones), or
+    own: None (causal), False (a one-token step, or a few tokens on a CPU: their slots are read
+    with the committed ones, under prefix's mask), or
     an additive (B, 1, groups * T, T) mask: the T x T mask once for each of the `groups` query
     heads that share a K/V head, as Attention folds them into one query of groups * T rows (so
     that no layer copies K or V for its grouped heads). prefix: None, or (start, end, mask) over
     cache slots [start, end): one entry a row and slot (B, 1, 1, S), or none at all when every
-    row sees every slot read; a sliding layer's band (keys at q_pos - sliding_window < p <= q_pos) is
+    row sees every slot read, or with own False for a few tokens on a CPU [ committed | own ]
+    (B, 1, groups * T, S); a sliding layer's band (keys at q_pos - sliding_window < p <= q_pos) is
     per token, a bool (B, 1, 1, T, S)."""
     B, T = positions.shape
     own = None  # causal
@@ -131,6 +142,13 @@ def step_masks(positions, committed, mask, lo: int, hi: int, dtype, sliding_wind
     if mask is not None and T == 1 and lo == hi:  # one token a row, every row as long: its own
         own, end = False, hi + 1  # slot read with the committed ones, one fused call and no mask
         committed = committed + 1
+    elif mask is not None and lo == hi and T <= ONE_CALL_CPU and not sliding_window and positions.device.type == "cpu":
+        # A few tokens a row on a CPU, every row as long: their own slots, just written after the
+        # committed ones, read with them in one fused call under one (groups * T, hi + T) mask
+        # [ committed: 0 | own ]. On a CPU two calls and a merge cost more than this mask.
+        both = own.new_zeros(B, 1, groups * T, hi + T)
+        both[..., hi:] = own
+        return False, (0, hi + T, both)
     start = max(0, lo - sliding_window + 1) if sliding_window else 0
     slot = torch.arange(start, end, device=positions.device)
     seen = slot < committed  # (B, S): each row's committed slots

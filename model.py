@@ -155,8 +155,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, own, prefix, slots, rows, moves=None):
         """own: how this call's tokens see one another: None = causally, an additive
         (B, 1, g * T, T) mask (a step's mask, a band past a sliding window; once per grouped
-        head), or False = through the prefix (a one-token step: its slot is read with the
-        committed ones). prefix: None, or (start, end, mask): the cache slots [start, end) they
+        head), or False = through the prefix (a one-token step, or a few tokens on a CPU: their
+        slots are read with the committed ones, attention.step_masks). prefix: None, or (start, end, mask): the cache slots [start, end) they
         also see, under an additive (B, 1, 1, S) mask (one entry a row and slot) or None, or in a
         sliding layer a bool (B, 1, 1, T, S) band (attention.step_masks builds them). slots: None
         (no cache), or (batch (B, 1), slots (B, T)): row b's token t keeps its K/V in slot slots[b,

@@ -11,6 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import save_file
 
+import attention
+import model as model_py
 from conftest import FAMILY_OPTIONS, assert_matches_reference, hf_config, random_model, tiny_args, write_checkpoint
 from decoding import greedy_decode
 from engine import generate
@@ -172,10 +174,17 @@ def test_cpu_products_take_the_way_measured_faster_for_every_layer_and_change_no
     torch.testing.assert_close(model(tokens), before, rtol=0, atol=1e-12)
 
 
-def test_scattered_slots_and_mask_equal_plain_forward():
+@pytest.mark.parametrize("one_call", [0, attention.ONE_CALL_CPU], ids=["two-calls-merged", "one-call"])
+def test_scattered_slots_and_mask_equal_plain_forward(monkeypatch, one_call):
+    # A step's own keys in a part of their own, merged with the committed ones' (a GPU, a CPU
+    # step past ONE_CALL_CPU), or read with them in one call (a small CPU step): both exact.
+    monkeypatch.setattr(attention, "ONE_CALL_CPU", one_call)
+    merged = []
+    monkeypatch.setattr(model_py, "merge", lambda *parts: merged.append(1) or attention.merge(*parts))
     model = random_model(seed=2)
     prefix = cached_prefix(model, 6, 32)
     tokens, parents, _, logits = tree_step(model, 6)
+    assert bool(merged) == (one_call == 0)  # the way asked was the way taken
     for i in range(len(parents)):
         seq = torch.cat([prefix, tokens[:, ancestry(parents, i)]], dim=1)
         torch.testing.assert_close(logits[0, i], model(seq)[0, -1], rtol=0, atol=1e-12)
@@ -219,7 +228,6 @@ def test_the_prefill_runs_fused_kernels_in_chunks_and_matches_one_token_steps(mo
     # fused attention (no (T, S) scores or per-token mask in memory), and gives the cache and
     # logits of running the prompt one token a step.
     import decoding
-    import model as model_py
     model = random_model(seed=6)
     prompt = [int(t) for t in torch.randint(0, model.args.vocab_size, (40,), generator=torch.Generator().manual_seed(0))]
     model.cache.setup(64)
