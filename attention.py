@@ -110,7 +110,7 @@ def merge(a, b):
 
 # The most tokens a step may hold for its own keys to be read with the committed ones in one call
 # on a CPU (step_masks): SmolLM2-135M on a 2-core EPYC, 200 tokens committed, a step of 2 to 64
-# tokens took 1-6% less time so; 128 tokens, or 2,500 committed and 8 tokens, the same or more
+# tokens took 2-6% less time so; 128 tokens, or 2,500 committed and 8 tokens, the same or more
 # (docs/PERFORMANCE.md).
 ONE_CALL_CPU = 32
 

@@ -156,13 +156,14 @@ class Attention(nn.Module):
         """own: how this call's tokens see one another: None = causally, an additive
         (B, 1, g * T, T) mask (a step's mask, a band past a sliding window; once per grouped
         head), or False = through the prefix (a one-token step, or a few tokens on a CPU: their
-        slots are read with the committed ones, attention.step_masks). prefix: None, or (start, end, mask): the cache slots [start, end) they
-        also see, under an additive (B, 1, 1, S) mask (one entry a row and slot) or None, or in a
-        sliding layer a bool (B, 1, 1, T, S) band (attention.step_masks builds them). slots: None
-        (no cache), or (batch (B, 1), slots (B, T)): row b's token t keeps its K/V in slot slots[b,
-        t] (built once a forward). rows: this call's rows of the cache (a slice). moves: the
-        previous step's roll back, (B, 2, M) cache slots (from, to) of each row, done here before
-        anything reads or writes the cache."""
+        slots are read with the committed ones). prefix: None, or (start, end, mask): the cache
+        slots [start, end) they also see, under an additive (B, 1, 1, S) mask (one entry a row
+        and slot; a few tokens on a CPU: (B, 1, g * T, S), their own mask in their own slots) or
+        None, or in a sliding layer a bool (B, 1, 1, T, S) band (attention.step_masks builds
+        them). slots: None (no cache), or (batch (B, 1), slots (B, T)): row b's token t keeps its
+        K/V in slot slots[b, t] (built once a forward). rows: this call's rows of the cache (a
+        slice). moves: the previous step's roll back, (B, 2, M) cache slots (from, to) of each
+        row, done here before anything reads or writes the cache."""
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         g = H // Hkv  # grouped-query attention: K/V head j serves query heads j*g .. (j+1)*g - 1
