@@ -121,10 +121,10 @@ def step_masks(positions, committed, mask, lo: int, hi: int, dtype, sliding_wind
     read, shared by those layers.
 
     own: None (causal), False (a one-token step, or a few tokens on a CPU: their slots are read
-    with the committed ones, under prefix's mask), or
-    an additive (B, 1, groups * T, T) mask: the T x T mask once for each of the `groups` query
-    heads that share a K/V head, as Attention folds them into one query of groups * T rows (so
-    that no layer copies K or V for its grouped heads). prefix: None, or (start, end, mask) over
+    with the committed ones, under prefix's mask), or an additive (B, 1, groups * T, T) mask:
+    the T x T mask once for each of the `groups` query heads that share a K/V head, as Attention
+    folds them into one query of groups * T rows (so that no layer copies K or V for its grouped
+    heads). prefix: None, or (start, end, mask) over
     cache slots [start, end): one entry a row and slot (B, 1, 1, S), or none at all when every
     row sees every slot read, or with own False for a few tokens on a CPU [ committed | own ]
     (B, 1, groups * T, S); a sliding layer's band (keys at q_pos - sliding_window < p <= q_pos) is
