@@ -132,11 +132,14 @@ def ancestry(parents, i):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_cpu_linear_equals_f_linear_for_any_token_count(bias):
+@pytest.mark.parametrize("out_features", [40, 2000], ids=["narrow", "wide"])
+def test_cpu_linear_equals_f_linear_for_any_token_count(bias, out_features):
     # On the CPU, Linear multiplies the counts in `transposed` as (W @ x^T)^T, a single token
     # with a copy added: the copy must never leak into the result, whatever the batch shape.
+    # The wide layer's results are large enough (4,000 values and up) for torch to copy them
+    # back through another kernel than the narrow one's.
     torch.manual_seed(0)
-    layer = Linear(24, 40, bias=bias).double()
+    layer = Linear(24, out_features, bias=bias).double()
     layer.transposed = frozenset(range(1, 10))
     for n in range(1, 18):
         x = torch.randn(2, n, 24, dtype=torch.float64)
