@@ -1155,6 +1155,26 @@ def test_a_busy_machine_does_not_make_the_sizes_just_tried_look_cheap():
     assert costs.estimate(1) == costs.estimate(2) == 0.1
 
 
+def test_a_wider_step_is_never_estimated_cheaper_than_a_narrower_one():
+    # A 2-token step costs 1.02-1.05x a 1-token one on a 2-core CPU, and noise timed it below the
+    # 1-token step for whole requests: read as is, a padded 2-token step holding no guess at all
+    # looked the cheaper and was run instead of `last` alone.
+    costs = StepCosts()
+    for t in (0.100, 0.101, 0.102, 0.103):
+        costs.record(1, t)
+    costs.record(2, 0.098)
+    costs.record(2, 0.099)
+    assert costs.estimate(2) == costs.estimate(1) == 0.100
+    costs.record(4, 0.090)
+    costs.record(4, 0.095)
+    assert costs.estimate(4) == 0.100 and costs.estimate(8) == pytest.approx(0.100)
+    for _ in range(8):  # recorded again: estimated anew
+        costs.record(4, 0.3)
+    assert costs.estimate(4) == 0.3
+    [(kept, w, shape)] = choose_shape([RowState(CandidateTree(7), Acceptance(), 1, 0, True)], costs, 128)
+    assert len(kept) == 1 and w == 0 and shape.size == 1
+
+
 def test_greedy_check_rests_while_lookahead_loses_and_tries_again():
     from shape import GreedyCheck
     check = GreedyCheck()
