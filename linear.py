@@ -34,7 +34,7 @@ class Linear(nn.Linear):
             x2 = torch.cat((x2, x2))  # (2, in)
         y = torch.mm(self.weight, x2.t())[:, :n]  # (out, B*T)
         # Copied to (B*T, out) as a 3-D tensor: a 2-D transposed copy of 3,600 values or more
-        # takes torch's blocked transpose, slow for a matrix this thin (3072 x 2: 19 us, not 7).
+        # takes torch's blocked transpose, slow for a matrix this thin (docs/PERFORMANCE.md).
         y = y.t().unsqueeze(0).contiguous()  # (1, B*T, out)
         if self.bias is not None:
             y = y + self.bias

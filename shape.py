@@ -353,9 +353,9 @@ class StepCosts:
     def estimate(self, size: int) -> float | None:
         """Expected seconds of a step of this size, None where it is not to be tried yet. Never
         less than a smaller size's estimate: a wider forward does all a narrower one does and
-        more, so timings that read it cheaper are noise (on a 2-core CPU a 2-token step costs
-        1.02-1.05x a 1-token one, and its quartile read below the 1-token one's in whole
-        requests: padded 2-token steps holding nothing then looked cheaper than one token)."""
+        more, so timings that read it cheaper are noise (where a 2-token step costs about what a
+        1-token one does, as on a CPU, its quartile read below the other's for whole requests,
+        and padded 2-token steps holding no guess looked cheaper than `last` alone)."""
         if self.table is not None:
             return self.table.get(size)
         cost = self.known.get(size, False)  # made once between two records: a plan asks each size often

@@ -1156,7 +1156,7 @@ def test_a_busy_machine_does_not_make_the_sizes_just_tried_look_cheap():
 
 
 def test_a_wider_step_is_never_estimated_cheaper_than_a_narrower_one():
-    # A 2-token step costs 1.02-1.05x a 1-token one on a 2-core CPU, and noise timed it below the
+    # A 2-token step costs about what a 1-token one does on a CPU, and noise timed it below the
     # 1-token step for whole requests: read as is, a padded 2-token step holding no guess at all
     # looked the cheaper and was run instead of `last` alone.
     costs = StepCosts()
