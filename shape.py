@@ -360,10 +360,9 @@ class StepCosts:
             return self.table.get(size)
         cost = self.known.get(size, False)  # made once between two records: a plan asks each size often
         if cost is False:
-            cost = self.known[size] = self.measured(size)
-            smaller = size >> 1
-            if cost is not None and smaller and (floor := self.estimate(smaller)) is not None:
-                cost = self.known[size] = max(cost, floor)
+            cost = self.measured(size)
+            floor = self.estimate(size >> 1) if cost is not None and size > 1 else None
+            cost = self.known[size] = cost if floor is None else max(cost, floor)
         return cost
 
     def measured(self, size: int) -> float | None:
