@@ -7,6 +7,7 @@
     python bench.py --batch 8 --max-new-tokens 64    # the prompts one by one vs in batches of 8
     python bench.py --long --max-new-tokens 128      # ~500 to ~6,000-token summaries, prefill and decode apart
     python bench.py --busy                           # beside a process that keeps a core busy: a shared machine
+    python bench.py --control                        # greedy-again beside greedy: what this machine's noise reads
     python bench.py --peers                          # transformers' greedy, prompt lookup and lookahead beside
     python bench.py --contexts 2048 32768 131072     # compiled: K/V allocated and a step's cost per context
     python bench.py --dataset spec-bench --per-category 2 --configs dynamic dynamic:pool,recycling,jacobi \
@@ -90,6 +91,12 @@ class Config:
     options: tuple = ()  # (key, value) pairs
 
 
+# The control (--control): our greedy decoding each prompt a second time, in the rotation as one more
+# decoder. An identical decoder's speed-ups over greedy are the run's noise: a decoder's per-prompt
+# speed-up within the control's spread says nothing of which is faster.
+CONTROL = Config("greedy-again")
+
+
 def parse_config(text: str) -> Config:
     """`dynamic` or W,N,G, optionally :SOURCES (e.g. dynamic:pool,recycling,jacobi), optionally
     named NAME=... (the tables' column; default: the whole text)."""
@@ -132,7 +139,7 @@ def print_tables(rows, results, labels, markdown):
     head = ["decoder", "tokens/s", "steps", "tokens/step", "step cost", "host ms/step", "speed-up", "per prompt: median",
             "worst", "same as greedy"]
     body = [[r["config"], f"{r['tokens_per_s']:.1f}", str(r["steps"]), f"{r['tokens_per_step']:.2f}",
-             f"{r['step_cost']:.2f}x", f"{r['host_ms_per_step']:.2f}" if r["config"] != "greedy" else "-",
+             f"{r['step_cost']:.2f}x", f"{r['host_ms_per_step']:.2f}" if r["config"] not in ("greedy", CONTROL.name) else "-",
              f"{r['speedup']:.2f}x", f"{statistics.median(r['prompt_speedups']):.2f}x",
              f"{min(r['prompt_speedups']):.2f}x", "yes" if r["identical"] else "NO"] for r in rows]
     per_head = ["prompt"] + [f"{r['config']}: speed-up, tokens/step" for r in rows[1:]]
@@ -350,7 +357,7 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
     total = min(total, args.limit or total)
     peers = transformers_peers(path, device, model.dtype, args.max_new_tokens, tokenizer.stop_ids) if args.peers else {}
     ours = ([(c.name, c, False) for c in configs] if args.warm != "only" else []) + [
-        (f"{c.name}+warm", c, True) for c in configs if args.warm]
+        (f"{c.name}+warm", c, True) for c in configs if args.warm and c != CONTROL]
     names = ["greedy"] + [name for name, *_ in ours] + list(peers)
     # What the answers so far left, per warm decoder: from --memory's file, where one was given.
     memories = {name: copy.deepcopy(args.start_memory) if args.start_memory else Memory() for name, _, warm in ours if warm}
@@ -461,7 +468,7 @@ def print_spec_bench(names, answers, markdown, step_costs):
         body.append(cells)
     print_table(head, body, markdown)
     print()
-    ours = [n for n in names[1:] if "sources" in answers[0][n]]  # not the peers
+    ours = [n for n in names[1:] if "sources" in answers[0][n] and n != CONTROL.name]  # not the peers
     print_sources({n: dict(sources=merged([a[n]["sources"] for a in answers]), steps=sum(a[n]["steps"] for a in answers),
                            guesses=guesses_of([SimpleNamespace(source_guesses=a[n]["guesses"]) for a in answers]))
                    for n in ours}, markdown)
@@ -788,6 +795,9 @@ def main(argv=None):
                          "exists), and the first one's is written there at the end (drafts.Memory)")
     ap.add_argument("--busy", type=int, nargs="?", const=1, default=0, metavar="N",
                     help="run everything beside N processes that keep a core busy each (default 1): a shared machine")
+    ap.add_argument("--control", action="store_true",
+                    help="greedy decodes each prompt a second time, as one more decoder (greedy-again): its "
+                         "speed-ups over greedy are this run's noise, the spread a per-prompt speed-up must leave")
     args = ap.parse_args(argv)
     if args.busy < 0:
         ap.error("--busy takes N >= 0 processes")
@@ -797,6 +807,8 @@ def main(argv=None):
         args.peers = bool(args.dataset or args.long is not None)
     if (args.warm or args.answers) and not args.dataset:
         ap.error("--warm and --answers go with --dataset spec-bench")
+    if args.control and (args.batch or args.contexts or args.long is not None):
+        ap.error("--control goes with the built-in prompts, --prompts or --dataset")
     if args.memory and not args.warm:
         ap.error("--memory FILE goes with --dataset spec-bench --warm (the warm decoders keep a memory)")
     if args.limit is not None and args.limit < 1:
@@ -855,6 +867,7 @@ def run(args, argv) -> int:
             return 2
     stop = tokenizer.stop_ids
     configs = [parse_config(c) for c in ["dynamic"] + SWEEP] if args.sweep else args.configs or [parse_config("dynamic")]
+    configs += [CONTROL] if args.control else []
     costs = StepCosts.flat(args.flat_cost) if args.flat_cost else None
     curve = None
     if args.costs:
@@ -866,6 +879,8 @@ def run(args, argv) -> int:
         return greedy_decode(model, ids, n_new, stop)
 
     def lookahead(ids, cfg, memory=None):  # costs: the dynamic shape's (a fixed one has none)
+        if cfg == CONTROL:
+            return greedy(ids)
         return generate(model, ids, n_new, stop_ids=stop, costs=costs, memory=memory, **dict(cfg.options))
 
     command = "python bench.py " + " ".join(argv if argv is not None else sys.argv[1:])

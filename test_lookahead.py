@@ -1986,11 +1986,16 @@ def test_bench_measures_and_checks_identity(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "bench.json"
     lookup = f"1,4,1:pool,{Path(__file__).resolve().parent / 'examples' / 'prompt_lookup.py'}:PromptLookup"
     code = bench.main(["--model", str(tiny_checkpoint), "--prompts", str(prompts), "--configs", "3,3,3", lookup,
-                       "--max-new-tokens", "12", "--repeats", "2", "--json", str(out)])
+                       "--max-new-tokens", "12", "--repeats", "2", "--json", str(out), "--control"])
     table = capsys.readouterr().out
     assert code == 0, table
     result = json.loads(out.read_text())
-    assert [row["config"] for row in result["rows"]] == ["greedy", "3,3,3", lookup]  # a source from a file too
+    # A source from a file too; and the control, greedy decoding every prompt again in the rotation.
+    assert [row["config"] for row in result["rows"]] == ["greedy", "3,3,3", lookup, "greedy-again"]
+    *rows, control = result["rows"]
+    assert control["identical"] and control["steps"] == rows[0]["steps"] and control["tokens_per_step"] == 1.0
+    assert len(control["prompt_speedups"]) == 2 and control["host_ms_per_step"] == 0  # no lookahead's host work
+    result["rows"] = rows
     assert bench.parse_config(f"lookup={lookup}").name == "lookup" and bench.parse_config(lookup).name == lookup
     with pytest.raises(Exception, match="greedy is the baseline"):
         bench.parse_config("greedy=dynamic")
@@ -2000,7 +2005,7 @@ def test_bench_measures_and_checks_identity(tiny_checkpoint, tmp_path, capsys):
     assert greedy["steps"] == greedy["tokens"] - 2 and greedy["step_cost"] == pytest.approx(1.0)
     for row in lookahead:  # speed-up = (greedy steps / steps) / step cost, by definition
         assert row["speedup"] == pytest.approx(greedy["steps"] / row["steps"] / row["step_cost"])
-    assert "threads, torch" in table and "same as greedy" in table and table.count("yes") == 3
+    assert "threads, torch" in table and "same as greedy" in table and table.count("yes") == 4
 
 
 def test_bench_projects_the_speed_up_under_a_measured_step_cost_curve(tiny_checkpoint, tmp_path, capsys):
@@ -2053,7 +2058,7 @@ def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
     out = tmp_path / "spec.json"
     code = bench.main(["--model", str(folder), "--dataset", "spec-bench", "--per-category", "1", "--max-new-tokens", "6",
                        "--repeats", "2", "--configs", "dynamic", "2,3,2:pool,recycling,jacobi", "--json", str(out),
-                       "--answers", str(tmp_path / "answers"), "--warm"])
+                       "--answers", str(tmp_path / "answers"), "--warm", "--control"])
     table = capsys.readouterr().out
     assert code == 0, table
     answers = json.loads(out.read_text())["answers"]
@@ -2062,16 +2067,17 @@ def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
     for a in answers:
         assert all(a[n]["identical"] for n in ("dynamic", "2,3,2:pool,recycling,jacobi", "dynamic+warm",
                                                   "2,3,2:pool,recycling,jacobi+warm", "transformers greedy",
-                                                  "transformers PLD", "transformers lookahead")), a
+                                                  "transformers PLD", "transformers lookahead", "greedy-again")), a
+        assert a["greedy-again"]["steps"] == a["greedy"]["steps"] and a["greedy-again"]["sources"][0] == {}
     assert "overall" in table and "transformers PLD" in table and "transformers lookahead" in table and "NO" not in table
     curve = table[table.index("step cost on this machine"):].splitlines()[0]  # timed directly, 1 to 16 tokens
     assert "1 tokens 1.00x" in curve and "16 tokens" in curve
     # Spec-Bench's answer files, one per decoder of ours (not the peers'), a line per question.
     files = sorted(p.name for p in (tmp_path / "answers").iterdir())
     assert files == ["tiny-2_3_2-pool_recycling_jacobi+warm.jsonl", "tiny-2_3_2-pool_recycling_jacobi.jsonl",
-                     "tiny-dynamic+warm.jsonl", "tiny-dynamic.jsonl", "tiny-greedy.jsonl"], files
+                     "tiny-dynamic+warm.jsonl", "tiny-dynamic.jsonl", "tiny-greedy-again.jsonl", "tiny-greedy.jsonl"], files
     for name, f in zip(("2,3,2:pool,recycling,jacobi+warm", "2,3,2:pool,recycling,jacobi", "dynamic+warm", "dynamic",
-                        "greedy"), sorted((tmp_path / "answers").iterdir())):
+                        "greedy-again", "greedy"), sorted((tmp_path / "answers").iterdir())):
         lines = [json.loads(line) for line in f.read_text().splitlines()]
         assert [q["question_id"] for q in lines] == list(dict.fromkeys(a["question_id"] for a in answers))
         for q in lines:
