@@ -101,8 +101,9 @@ def parse_config(text: str) -> Config:
     """`dynamic` or W,N,G, optionally :SOURCES (e.g. dynamic:pool,recycling,jacobi), optionally
     named NAME=... (the tables' column; default: the whole text)."""
     name, spec = text.split("=", 1) if re.fullmatch(r"[A-Za-z_][\w.+-]*=.+", text) else (text, text)
-    if name == "greedy":
-        raise argparse.ArgumentTypeError("greedy is the baseline every table has: name the configuration otherwise")
+    if name in ("greedy", CONTROL.name):
+        raise argparse.ArgumentTypeError("greedy is the baseline every table has (greedy-again, --control's "
+                                         "second run of it): name the configuration otherwise")
     shape, _, sources = spec.partition(":")
     try:
         options = {} if shape == "dynamic" else dict(zip(("window", "ngram", "candidates"),
@@ -867,7 +868,7 @@ def run(args, argv) -> int:
             return 2
     stop = tokenizer.stop_ids
     configs = [parse_config(c) for c in ["dynamic"] + SWEEP] if args.sweep else args.configs or [parse_config("dynamic")]
-    configs += [CONTROL] if args.control else []
+    configs = configs + [CONTROL] if args.control else configs
     costs = StepCosts.flat(args.flat_cost) if args.flat_cost else None
     curve = None
     if args.costs:
