@@ -141,6 +141,7 @@ class DynamicShape:
         self.largest = min(MAX_STEP, 2 * size)
         self.check = GreedyCheck() if costs is None else None  # a given cost model: shapes from it alone
         self.resting = False  # while the check finds lookahead losing: one-token steps
+        self.before = None  # (rows, size, seconds) of the last step
 
     def costs(self, B: int) -> "StepCosts":
         costs = self.step_costs.get(B)
@@ -171,7 +172,8 @@ class DynamicShape:
             tested = list(labelled(step.tree, {0, *step.path}))  # the guesses the step tested, walked once for both
             self.acceptance[row].record(step.tree, step.path, step.columns, tested)
             self.ledgers[row].record(row, step, seconds, tested, asked=not self.resting)
-        self.costs(len(rows)).record(T, seconds)
+        before, self.before = self.before, (len(rows), T, seconds)  # a doubling is timed from steps in a row
+        self.costs(len(rows)).record(T, seconds, before[1:] if before and before[0] == len(rows) else None)
         if self.check is not None:
             self.check.record(T, sum(len(step.committed) for step in steps), seconds)
             self.resting = self.check.rest > 0  # the next steps one-token steps (an attribute: read per row)
@@ -308,19 +310,26 @@ class GreedyCheck:
 class StepCosts:
     """Seconds per step of each size of the menu (step_size), measured as the decoder runs them.
 
-    A size's estimate is the lower quartile of its last 8 steps (their least while it has 2 to
-    4): a neighbour's load only ever adds seconds, so the low end is what the step costs this
+    A size's own estimate is the lower quartile of its last 8 steps (their least while it has 2
+    to 4): a neighbour's load only ever adds seconds, so the low end is what the step costs this
     machine, and every size is judged by the same statistic (a median for the sizes run often
     against a least for the sizes just tried made a busy machine's new sizes look cheap and the
-    shape climb to steps of 8-32 tokens on a CPU, at 0.46x greedy). A size run fewer than twice,
-    or not yet, is assumed to cost what the largest measured smaller size costs, times the
-    growth seen between the two largest measured sizes for each doubling (optimistic where the
-    growth was flat, so it gets tried), and only one size above the largest one measured twice
-    is ever considered: the decoder climbs
-    the menu one rung at a time and stops where a wider step no longer pays. On a CPU it stops
-    after a rung or two; where steps are free (a GPU at small sizes) it goes wide. So the next
-    steps will hold about twice what the recent ones held (expected_size, from the median of the last
-    8: a size tried once, a rung up, is a trial, not where the steps are).
+    shape climb to steps of 8-32 tokens on a CPU, at 0.46x greedy). But a machine's pace drifts
+    (a shared CPU's by 1.5x within one request), and the low end of each size comes from another
+    moment. So what a doubling costs, size s against s/2, is read where the two ran one right
+    after the other in a request: the median of the last 16 such pairs' ratios (each pair timed
+    at one moment, so free of the drift; the median drops the pairs a burst fell on), once there
+    are 4 of them. Only the choice between sizes reads the estimates, so ratios are enough:
+    estimate(s) = estimate(s/2) x that ratio, and the sizes' own quartiles are the fallback.
+
+    A size run fewer than twice, or not yet, is assumed to cost what the largest measured
+    smaller size costs, times the growth seen between the two largest measured sizes for each
+    doubling (optimistic where the growth was flat, so it gets tried), and only one size above
+    the largest one measured twice is ever considered: the decoder climbs the menu one rung at
+    a time and stops where a wider step no longer pays. On a CPU it stops after a rung or two;
+    where steps are free (a GPU at small sizes) it goes wide. So the next steps will hold about
+    twice what the recent ones held (expected_size, from the median of the last 8: a size tried
+    once, a rung up, is a trial, not where the steps are).
     `table` fixes the estimates instead (a cost model for tests and experiments: sizes not in
     it are never chosen)."""
 
@@ -329,6 +338,7 @@ class StepCosts:
         self.samples: dict[int, deque] = {}
         self.recent = deque(maxlen=8)  # the sizes of the last steps
         self.known = {}  # size -> estimate, since the last record
+        self.doublings: dict[int, deque] = {}  # s -> seconds of a 2s-token step / an s-token step next to it
 
     @classmethod
     def flat(cls, largest: int = STEP_SIZES[-1]) -> "StepCosts":
@@ -344,10 +354,15 @@ class StepCosts:
             return max(self.table)
         return 2 * (sorted(self.recent)[len(self.recent) // 2] if self.recent else 1)
 
-    def record(self, size: int, seconds: float):
+    def record(self, size: int, seconds: float, before: tuple[int, float] | None = None):
+        """A step of `size` tokens took `seconds`; before: the (size, seconds) of the step run
+        right before it in the same request and batch, None at its first step (or a new batch)."""
         self.recent.append(size)
         if self.table is None:
             self.samples.setdefault(size, deque(maxlen=8)).append(seconds)
+            if before is not None and (size == 2 * before[0] or before[0] == 2 * size):
+                (small, t_small), (_, t_large) = sorted([before, (size, seconds)])
+                self.doublings.setdefault(small, deque(maxlen=16)).append(t_large / max(t_small, 1e-9))
             self.known = {}
 
     def estimate(self, size: int) -> float | None:
@@ -362,7 +377,10 @@ class StepCosts:
         if cost is False:
             cost = self.measured(size)
             floor = self.estimate(size >> 1) if cost is not None and size > 1 else None
-            cost = self.known[size] = cost if floor is None else max(cost, floor)
+            if floor is not None:
+                pairs = self.doublings.get(size >> 1, ())
+                cost = floor * max(1.0, statistics.median(pairs)) if len(pairs) >= 4 else max(cost, floor)
+            self.known[size] = cost
         return cost
 
     def measured(self, size: int) -> float | None:

@@ -1155,6 +1155,54 @@ def test_a_busy_machine_does_not_make_the_sizes_just_tried_look_cheap():
     assert costs.estimate(1) == costs.estimate(2) == 0.1
 
 
+def test_a_doubling_is_priced_from_steps_run_one_after_the_other():
+    # The machine's pace drifts: 1- and 2-token steps alternate at one pace (a 2-token step 1.2x a
+    # 1-token one), then the machine gets twice as quick and only 2-token steps run. Each size's
+    # own lower quartile now comes from another moment and reads the 2-token step at 0.6x the
+    # 1-token one (floored to 1.0x); the pairs timed side by side still read 1.2x.
+    costs = StepCosts()
+    before = None
+    for size, t in [(1, 0.10), (2, 0.12)] * 4 + [(2, 0.06)] * 8:
+        costs.record(size, t, before)
+        before = (size, t)
+    assert costs.estimate(1) == 0.10 and costs.estimate(2) == pytest.approx(0.12)
+    # The same steps with no pairs (each the first of its request): the quartiles alone.
+    alone = StepCosts()
+    for size, t in [(1, 0.10), (2, 0.12)] * 4 + [(2, 0.06)] * 8:
+        alone.record(size, t)
+    assert alone.estimate(2) == alone.estimate(1) == 0.10
+    # Only sizes a doubling apart pair up, and a burst on a few pairs (either step) is outvoted.
+    costs = StepCosts()
+    costs.record(1, 0.10)
+    costs.record(1, 0.10)
+    for t1, t2 in [(0.10, 0.13)] * 5 + [(0.10, 0.50)] * 3 + [(0.40, 0.13)] * 2:
+        costs.record(4, t2, (1, t1))  # 4 tokens after 1: two doublings apart, no pair
+        costs.record(2, t2, (1, t1))
+    assert list(costs.doublings) == [1]
+    assert costs.estimate(1) == 0.10 and costs.estimate(2) == pytest.approx(0.13)
+
+
+def test_the_dynamic_shape_pairs_the_steps_of_one_request_only():
+    # The table is kept across requests (shape.STEP_COSTS), but two requests' steps are not
+    # timed at one moment: each step is recorded with the one right before it in its request,
+    # and a request's first step with none.
+    calls, record = [], StepCosts.record
+    def spy(costs, size, seconds, before=None):
+        calls.append((size, seconds, before))
+        return record(costs, size, seconds, before)
+    model = random_model(seed=3)
+    with mock.patch.object(StepCosts, "record", spy):
+        gens = [generate(model, [5, 9, 2, 7, 5, 9], 24) for _ in range(3)]
+    assert len(calls) == sum(len(gen.shapes) for gen in gens) and len(gens[0].shapes) > 2
+    first = 0
+    for gen in gens:
+        assert calls[first][2] is None
+        assert [before for _, _, before in calls[first + 1:first + len(gen.shapes)]] == \
+            [(size, seconds) for size, seconds, _ in calls[first:first + len(gen.shapes) - 1]]
+        assert [size for size, _, _ in calls[first:first + len(gen.shapes)]] == [s.size for s in gen.shapes]
+        first += len(gen.shapes)
+
+
 def test_a_wider_step_is_never_estimated_cheaper_than_a_narrower_one():
     # A 2-token step costs about what a 1-token one does on a CPU, and noise timed it below the
     # 1-token step for whole requests: read as is, a padded 2-token step holding no guess at all
