@@ -1188,7 +1188,7 @@ def test_the_dynamic_shape_pairs_the_steps_of_one_request_only():
     # and a request's first step with none.
     calls, record = [], StepCosts.record
     def spy(costs, size, seconds, before=None):
-        calls.append((size, seconds, before))
+        calls.append((size, seconds, before, costs))
         return record(costs, size, seconds, before)
     model = random_model(seed=3)
     with mock.patch.object(StepCosts, "record", spy):
@@ -1197,10 +1197,22 @@ def test_the_dynamic_shape_pairs_the_steps_of_one_request_only():
     first = 0
     for gen in gens:
         assert calls[first][2] is None
-        assert [before for _, _, before in calls[first + 1:first + len(gen.shapes)]] == \
-            [(size, seconds) for size, seconds, _ in calls[first:first + len(gen.shapes) - 1]]
-        assert [size for size, _, _ in calls[first:first + len(gen.shapes)]] == [s.size for s in gen.shapes]
+        assert [before for _, _, before, _ in calls[first + 1:first + len(gen.shapes)]] == \
+            [(size, seconds) for size, seconds, _, _ in calls[first:first + len(gen.shapes) - 1]]
+        assert [size for size, *_ in calls[first:first + len(gen.shapes)]] == [s.size for s in gen.shapes]
         first += len(gen.shapes)
+    # A batch whose row leaves early: the steps after it run with one row fewer (another table,
+    # shape.STEP_COSTS[model][B]) and the first of them pairs with nothing.
+    prompts = [[5, 9, 2, 7, 5, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    ends = greedy_decode(model, prompts[0], 24).tokens
+    stop = next(t for t in ends[3:] if t not in greedy_decode(model, prompts[1], 24).tokens)
+    calls.clear()
+    with mock.patch.object(StepCosts, "record", spy):
+        generate_batch(model, prompts, 24, stop_ids=[stop])
+    changed = [i for i in range(1, len(calls)) if calls[i][3] is not calls[i - 1][3]]
+    assert len(changed) == 1  # the row left once
+    for i in range(1, len(calls)):
+        assert calls[i][2] == (None if i in changed else calls[i - 1][:2])
 
 
 def test_a_wider_step_is_never_estimated_cheaper_than_a_narrower_one():
