@@ -37,12 +37,14 @@ class Candidate:
 class CandidateTree(Tree):
     """lookahead.Tree built from Candidates, with what the engine reads of it: the candidates
     merged (empty ones left out), origin[node], the index of the first candidate through the
-    node (node 0, `last`: None), and first_chain."""
+    node (node 0, `last`: None), and first_chain. A trie cut from a larger one (shape.keep)
+    also keeps, in `ranks`, the rank each (node, label) had there."""
 
     def __init__(self, last: int, candidates=()):
         self.tokens, self.parent, self.depth, self.children = [last], [-1], [0], [{}]  # lookahead.Tree's
         self.candidates: list[Candidate] = []
         self.origin: list[int | None] = [None]
+        self.ranks: dict | None = None  # (node, label) -> rank in the trie this was cut from
         for candidate in candidates:
             self.add(candidate)
 

@@ -446,8 +446,12 @@ class Acceptance:
 def labelled(tree, parents=None):
     """Every (guess, source label) pair of a lookahead.Tree once, as (node, key, prior), key =
     (label, depth, rank among the nodes under the same parent that this label reaches, in its
-    candidates' order); only the children of `parents` where given."""
+    candidates' order); only the children of `parents` where given. A trie cut by keep keeps the
+    ranks of the trie it was cut from (tree.ranks), so a guess is learned as what it was when
+    chosen: ranked afresh, a label's second guess kept alone would count as its first, and the
+    second's prior, never tested, stayed the step's best bet while every guess failed."""
     seen, siblings, children, depth = set(), {}, tree.children, tree.depth
+    ranks = tree.ranks
     for candidate in tree.candidates:
         v, label, prior = 0, candidate.source, candidate.prior
         later = prior if candidate.prior_next is None else candidate.prior_next
@@ -458,6 +462,8 @@ def labelled(tree, parents=None):
             if (child, label) not in seen:
                 seen.add((child, label))
                 rank = siblings[v, label] = siblings.get((v, label), -1) + 1
+                if ranks is not None:
+                    rank = ranks[child, label]
                 yield child, (label, depth[child], rank), prior if v == 0 else later
             v = child
 
@@ -546,18 +552,30 @@ def keep(tree, nodes):
     value, or of the trie), so the first child of `last` is the best guess, and each node keeps
     the first candidate through it: a step cut to the guesses it can hold. Where nothing is cut
     and the candidates are already in that order, the trie itself (read only: never changed)."""
-    place = {v: i for i, v in enumerate(nodes)}  # each kept guess's rank (`last`, node 0, is always kept)
+    place = {v: i for i, v in enumerate(nodes)}  # each kept guess's place in `nodes` (`last`, node 0, is always kept)
     first = lambda c: place.get(tree.children[0][c.tokens[0]], len(place)) if c.tokens else len(place)
     ranked = sorted(tree.candidates, key=first)
     if len(place) == len(tree) - 1:  # nothing cut: the trie itself where already best first
-        return tree if ranked == tree.candidates else type(tree)(tree.tokens[0], ranked)
-    out = type(tree)(tree.tokens[0])
-    for candidate in ranked:
-        v, kept = 0, []
+        if ranked == tree.candidates:
+            return tree
+        out = type(tree)(tree.tokens[0], ranked)
+    else:
+        out = type(tree)(tree.tokens[0])
+        for candidate in ranked:
+            v, kept = 0, []
+            for tok in candidate.tokens:
+                v = tree.children[v][tok]
+                if v not in place:
+                    break
+                kept.append(tok)
+            out.add(candidate if len(kept) == len(candidate.tokens) else replace(candidate, tokens=tuple(kept)))
+    # Each (guess, label) keeps its rank in `tree` (labelled says why): each candidate walked
+    # down both tries at once, node v of out being node u of tree.
+    was, ranks = {(node, key[0]): key[2] for node, key, _ in labelled(tree)}, {}
+    for candidate in out.candidates:
+        v = u = 0
         for tok in candidate.tokens:
-            v = tree.children[v][tok]
-            if v not in place:
-                break
-            kept.append(tok)
-        out.add(candidate if len(kept) == len(candidate.tokens) else replace(candidate, tokens=tuple(kept)))
+            v, u = out.children[v][tok], tree.children[u][tok]
+            ranks[v, candidate.source] = was[u, candidate.source]
+    out.ranks = ranks
     return out

@@ -1381,6 +1381,42 @@ def test_acceptance_learns_from_what_was_accepted():
     assert keys[2] not in acceptance.counts  # below a rejected guess: not tested
 
 
+def test_a_guess_is_learned_at_the_rank_it_had_when_the_step_was_chosen():
+    # A label's first guess failed ten times, so its second (untested: still its prior) is the
+    # better bet, and a 2-token step holds it alone. What that step shows belongs to the second
+    # rank: counted as the first (its rank in the cut trie), the second's prior would never move
+    # and it would stay the step's best guess however often it failed.
+    tree = CandidateTree(last=0)
+    tree.add(Candidate((1, 2), "pool1"))
+    tree.add(Candidate((3, 4), "pool1"))
+    tree.add(Candidate((3, 5), "pool1"))
+    acceptance = Acceptance()
+    acceptance.counts[("pool1", 1, 0)] = [0, 10]
+    [(kept, w, shape)] = choose_shape([RowState(tree, acceptance, 1, 0, False)], StepCosts({1: 1.0, 2: 1.0}), 128)
+    assert kept.tokens == [0, 3] and shape.size == 2
+    for _ in range(10):
+        acceptance.record(kept, [], w=0)  # token 3 wrong each time
+    assert acceptance.counts[("pool1", 1, 0)] == [0, 10] and acceptance.counts[("pool1", 1, 1)] == [0, 10]
+    [(kept, w, shape)] = choose_shape([RowState(tree, acceptance, 1, 0, False)], StepCosts({1: 1.0, 2: 1.0}), 128)
+    assert kept.tokens == [0, 1]  # now as bad as the first, which comes first again
+    # Reordered, nothing cut (the second rank the more likely): every guess keeps its key, the
+    # forks under token 3 included.
+    acceptance.counts[("pool1", 1, 1)] = [9, 10]
+    [(kept, w, shape)] = choose_shape([RowState(tree, acceptance, 1, 0, False)], StepCosts.flat(), 128)
+    assert kept.tokens[1] == 3 and len(kept) == len(tree)
+    keys = lambda t: {tuple(t.tokens[v] for v in chain(t, v)): key for v, key, _ in labelled(t)}
+    assert keys(kept) == keys(tree)
+
+
+def chain(tree, v) -> list[int]:
+    """The nodes from `last`'s first child down to v."""
+    out = []
+    while v:
+        out.append(v)
+        v = tree.parent[v]
+    return out[::-1]
+
+
 def test_a_candidate_states_a_prior_for_its_first_guess_and_one_for_each_after_it():
     # Before any trial a guess is worth the product of its chain's priors: `prior` for the first
     # guess, `prior_next` for each later one (a suffix chain that was right tends to stay right);
