@@ -1398,7 +1398,7 @@ def test_a_guess_is_learned_at_the_rank_it_had_when_the_step_was_chosen():
         acceptance.record(kept, [], w=0)  # token 3 wrong each time
     assert acceptance.counts[("pool1", 1, 0)] == [0, 10] and acceptance.counts[("pool1", 1, 1)] == [0, 10]
     [(kept, w, shape)] = choose_shape([RowState(tree, acceptance, 1, 0, False)], StepCosts({1: 1.0, 2: 1.0}), 128)
-    assert kept.tokens == [0, 1]  # now as bad as the first, which comes first again
+    assert kept.tokens == [0, 1]  # as often wrong, the second is the less likely (its prior was half)
     # Reordered, nothing cut (the second rank the more likely): every guess keeps its key, the
     # forks under token 3 included.
     acceptance.counts[("pool1", 1, 1)] = [9, 10]
@@ -1409,7 +1409,7 @@ def test_a_guess_is_learned_at_the_rank_it_had_when_the_step_was_chosen():
 
 
 def chain(tree, v) -> list[int]:
-    """The nodes from `last`'s first child down to v."""
+    """The nodes on the way from `last` down to v (v included, `last` not)."""
     out = []
     while v:
         out.append(v)
