@@ -461,8 +461,9 @@ def labelled(tree, parents=None):
             child = children[v][tok]
             if (child, label) not in seen:
                 seen.add((child, label))
-                rank = siblings[v, label] = siblings.get((v, label), -1) + 1
-                if ranks is not None:
+                if ranks is None:
+                    rank = siblings[v, label] = siblings.get((v, label), -1) + 1
+                else:
                     rank = ranks[child, label]
                 yield child, (label, depth[child], rank), prior if v == 0 else later
             v = child
