@@ -571,8 +571,9 @@ def keep(tree, nodes):
                 kept.append(tok)
             out.add(candidate if len(kept) == len(candidate.tokens) else replace(candidate, tokens=tuple(kept)))
     # Each (guess, label) keeps its rank in `tree` (labelled says why): each candidate walked
-    # down both tries at once, node v of out being node u of tree.
-    was, ranks = {(node, key[0]): key[2] for node, key, _ in labelled(tree)}, {}
+    # down both tries at once, node v of out being node u of tree. A rank counts siblings under
+    # the same parent only, so the kept nodes' children are all the walk needs to read.
+    was, ranks = {(node, key[0]): key[2] for node, key, _ in labelled(tree, {0, *place})}, {}
     for candidate in out.candidates:
         v = u = 0
         for tok in candidate.tokens:
