@@ -8,6 +8,8 @@
     python bench.py --long --max-new-tokens 128      # ~500 to ~6,000-token summaries, prefill and decode apart
     python bench.py --busy                           # beside a process that keeps a core busy: a shared machine
     python bench.py --control                        # greedy-again beside greedy: what this machine's noise reads
+    python bench.py --dataset spec-bench --questions 81 102 --repeats 15 --control --no-peers
+                                                     # a few answers, each with its paired 90% interval
     python bench.py --peers                          # transformers' greedy, prompt lookup and lookahead beside
     python bench.py --contexts 2048 32768 131072     # compiled: K/V allocated and a step's cost per context
     python bench.py --dataset spec-bench --per-category 2 --configs dynamic dynamic:pool,recycling,jacobi \
@@ -16,9 +18,11 @@
 For every configuration (`dynamic`, or W,N,G): tokens/s, steps, tokens per step, the cost of a step against a greedy
 step, the speed-up over greedy (runs alternate greedy / lookahead per prompt, the configs in an
 order rotating each repeat, after a warm-up, median over --repeats), and whether the tokens
-equal greedy's (they must: "yes"). Prints a table and the machine it ran on. With --batch B:
-each decoder one prompt at a time vs B prompts per batch (tokens/s over all prompts, and whether
-every row equals its one-by-one output).
+equal greedy's (they must: "yes"). With 5 repeats or more, each prompt's speed-up also as the
+median of its repeats' paired ratios with a bootstrap 90% interval, and the prompts counted by
+where their interval lies (below 1.0x: slower than greedy beyond the run's noise). Prints a
+table and the machine it ran on. With --batch B: each decoder one prompt at a time vs B prompts
+per batch (tokens/s over all prompts, and whether every row equals its one-by-one output).
 With --dataset spec-bench: Spec-Bench's questions turn by turn, per category and overall, with
 transformers' greedy generate, its prompt lookup decoding and lookahead through its generate
 (hf_backend) in the same run where it is installed (--peers: on the built-in prompts too);
@@ -29,6 +33,7 @@ import argparse
 import copy
 import json
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -305,16 +310,22 @@ def bench_batch(model, prompts, B, configs, names, greedy, lookahead, n_new, sto
 SPEC_BENCH = Path(__file__).resolve().parent / "data" / "spec_bench" / "question.jsonl"
 
 
-def spec_bench_questions(per_category: int) -> list[dict]:
+def spec_bench_questions(per_category: int, ids=None) -> list[dict]:
     """Spec-Bench's questions, the first `per_category` of each of its 13 categories in the
     file's own order (so K=2 takes questions 81-82, 91-92, ... of MT-Bench and the first two of
-    translation, summarization, qa, math_reasoning and rag)."""
-    chosen, seen = [], {}
+    translation, summarization, qa, math_reasoning and rag); or, where `ids` are given, those
+    question ids, in the file's order."""
+    chosen, seen, every = [], {}, []
     for line in SPEC_BENCH.read_text().splitlines():
         q = json.loads(line)
         seen[q["category"]] = seen.get(q["category"], 0) + 1
-        if seen[q["category"]] <= per_category:
+        every.append(q["question_id"])
+        if q["question_id"] in ids if ids else seen[q["category"]] <= per_category:
             chosen.append(q)
+    missing = set(ids or ()) - set(every)
+    if missing:
+        raise ValueError(f"Spec-Bench has no question {', '.join(map(str, sorted(missing)))} "
+                         f"(its ids run from {min(every)} to {max(every)})")
     return chosen
 
 
@@ -353,7 +364,7 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
     identity with it on every answer. on_answer(names, answers) after each answer (bench.py
     writes --json and --answers there, so an interrupted run keeps what it finished); a line a
     answer on stderr says how far it is."""
-    questions = spec_bench_questions(args.per_category)
+    questions = spec_bench_questions(args.per_category, args.questions)
     total, start = sum(len(q["turns"]) for q in questions), time.perf_counter()
     total = min(total, args.limit or total)
     peers = transformers_peers(path, device, model.dtype, args.max_new_tokens, tokenizer.stop_ids) if args.peers else {}
@@ -401,8 +412,8 @@ def bench_spec_bench(model, tokenizer, path, configs, greedy, lookahead, args, d
                                             accept_lengths=gen.committed, text=answer_text(gen))
             record["greedy"] = dict(tokens=len(ref.tokens), steps=ref.steps, identical=True, accept_lengths=ref.committed,
                                     text=answer_text(ref))
-            for name in names:
-                record[name]["seconds"] = statistics.median(seconds[name])
+            for name in names:  # the median, and each repeat's (paired_speedup reads them)
+                record[name].update(seconds=statistics.median(seconds[name]), runs=seconds[name])
             memories.update(after)
             answers.append(record)
             progress(answers, names, total, time.perf_counter() - start)
@@ -690,6 +701,52 @@ def bench_contexts(path, contexts, device, dtype, compile_sizes=(1, 8), committe
     return 0
 
 
+# The fewest repeats that give an answer's paired speed-up an interval (paired_speedup): with
+# fewer, a bootstrap of the median only restates the runs.
+INTERVAL_REPEATS = 5
+
+
+def paired_speedup(greedy_seconds: list[float], seconds: list[float], resamples: int = 2000):
+    """One answer's speed-up over greedy from its repeats, each repeat a pair run side by side
+    (so a drift in the machine's pace hits both): the median of the pairs' ratios (greedy's
+    seconds over the decoder's), and a bootstrap 90% interval of that median, or None with fewer
+    than INTERVAL_REPEATS pairs. Where the interval lies below 1.0x, the answer is slower than
+    greedy beyond this run's noise; about one answer in twenty of an identical decoder lands
+    outside its interval's side by chance (--control shows how many do in the run)."""
+    ratios = [g / s for g, s in zip(greedy_seconds, seconds)]
+    median = statistics.median(ratios)
+    if len(ratios) < INTERVAL_REPEATS:
+        return median, None
+    rng = random.Random(0)  # the same runs give the same interval
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return median, (medians[resamples // 20], medians[resamples - 1 - resamples // 20])
+
+
+def print_noise(names, runs: list[dict], labels: list[str], markdown: bool) -> dict:
+    """With INTERVAL_REPEATS repeats or more: every decoder's answers by where their paired
+    speed-up's 90% interval lies (paired_speedup), above 1.0x, across it, below 1.0x or below
+    0.9x, then each answer below 1.0x beyond the noise by name. runs[i][name]: answer i's
+    seconds, a repeat each. Returns {name: [(label, median, (low, high)), ...]}."""
+    if len(runs[0]["greedy"]) < INTERVAL_REPEATS:
+        return {}
+    out = {name: [(label, *paired_speedup(r["greedy"], r[name])) for label, r in zip(labels, runs)] for name in names[1:]}
+    head = ["decoder", "answers", "paired speed-up: median", "interval above 1.0x", "across 1.0x", "below 1.0x",
+            "below 0.9x"]
+    body = [[name, str(len(rows)), f"{statistics.median(m for _, m, _ in rows):.2f}x",
+             *(str(sum(test(lo, hi) for _, _, (lo, hi) in rows)) for test in (
+                 lambda lo, hi: lo > 1.0, lambda lo, hi: lo <= 1.0 <= hi, lambda lo, hi: hi < 1.0, lambda lo, hi: hi < 0.9))]
+            for name, rows in out.items()]
+    print(f"Each answer's speed-up as the median of its {len(runs[0]['greedy'])} paired runs, and where its "
+          f"bootstrap 90% interval lies:")
+    print_table(head, body, markdown)
+    for name, rows in out.items():
+        below = [f"{label} {m:.3f}x ({lo:.3f}-{hi:.3f})" for label, m, (lo, hi) in rows if hi < 1.0]
+        if below:
+            print(f"{name}, below 1.0x beyond the noise: " + "; ".join(below))
+    print()
+    return {name: [[label, m, list(interval)] for label, m, interval in rows] for name, rows in out.items()}
+
+
 def rotated(decoders: list, r: int) -> list:
     """The decoders after greedy in repeat r's order: each repeat starts one further along, so
     none always runs right after greedy (on this VM a run's place in the order moves it ~1%)."""
@@ -779,6 +836,9 @@ def main(argv=None):
     ap.add_argument("--per-category", type=int, default=2, metavar="K",
                     help="with --dataset: the first K questions of each of its 13 categories, in the file's order "
                          "(default 2); MT-Bench's 8 categories have two turns a question, so K=1 is 21 answers, K=2 42")
+    ap.add_argument("--questions", type=int, nargs="+", default=None, metavar="ID",
+                    help="with --dataset: these Spec-Bench question ids instead (e.g. 81 102: one answer a turn, "
+                         "with --repeats 15 the paired intervals of a few answers)")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
                     help="transformers' greedy, prompt lookup and lookahead through its generate on the same "
                          "checkpoint, in the same run (default: with --dataset or --long, not with the built-in "
@@ -806,8 +866,13 @@ def main(argv=None):
         ap.error("--peers goes with the built-in prompts, --prompts, --dataset or --long")
     if args.peers is None:
         args.peers = bool(args.dataset or args.long is not None)
-    if (args.warm or args.answers) and not args.dataset:
-        ap.error("--warm and --answers go with --dataset spec-bench")
+    if (args.warm or args.answers or args.questions) and not args.dataset:
+        ap.error("--warm, --answers and --questions go with --dataset spec-bench")
+    if args.questions:
+        try:
+            spec_bench_questions(0, args.questions)
+        except ValueError as e:
+            ap.error(str(e))
     if args.control and (args.batch or args.contexts or args.long is not None):
         ap.error("--control goes with the built-in prompts, --prompts or --dataset")
     if args.memory and not args.warm:
@@ -911,6 +976,10 @@ def run(args, argv) -> int:
         seconds = step_costs_at(model, context, sizes=STEP_SIZES[:5], repeats=9)
         step_costs = (context, {size: t / seconds[1] for size, t in seconds.items()})
         categories, summary = print_spec_bench(names, answers, args.markdown, step_costs)
+        labels = [f"{a['category']} {a['question_id']}" + (f" turn {a['turn']}" if a["turn"] > 1 else "") for a in answers]
+        intervals = print_noise(names, [{n: a[n]["runs"] for n in names} for a in answers], labels, args.markdown)
+        if args.json and intervals:
+            Path(args.json).write_text(json.dumps(dict(json.loads(Path(args.json).read_text()), intervals=intervals), indent=1))
         if args.plot:
             plot_spec_bench(args.plot, names, categories, summary)
         return 0 if all(a[n]["identical"] for a in answers for n in names) else 1
@@ -965,6 +1034,10 @@ def run(args, argv) -> int:
     print_tables(rows, results, labels, args.markdown)
     if peers:
         print_peers(peer_results, per_prompt, labels, args.markdown)
+    intervals = print_noise(list(per_prompt), [{n: runs[i] for n, runs in per_prompt.items()} for i in range(len(labels))],
+                            labels, args.markdown)
+    if args.json and intervals:
+        Path(args.json).write_text(json.dumps(dict(json.loads(Path(args.json).read_text()), intervals=intervals), indent=1))
     if curve:
         print_projection(rows, results, sum(g.steps for g, _ in results["greedy"]), curve, args.costs)
         if args.json:

@@ -4,6 +4,7 @@ import json
 import random
 import re
 import shutil
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -2190,6 +2191,44 @@ def test_bench_spec_bench_by_category_with_its_peers(tmp_path, capsys):
             assert choice["new_tokens"] == [a[name]["tokens"] for a in turns]
             assert choice["wall_time"] == [a[name]["seconds"] for a in turns]
             assert sum(choice["accept_lengths"]) == sum(a[name]["tokens"] - 1 for a in turns)  # the first: the prefill's
+
+
+def test_a_paired_speed_up_has_an_interval_once_there_are_enough_repeats():
+    import bench
+    # The machine's pace drifts 5x across the repeats, and every pair ran side by side: each
+    # pair's ratio is 0.9, so the interval is 0.9 and the answer is slower beyond the noise.
+    greedy = [1.0, 2.0, 5.0, 1.5, 3.0]
+    median, (low, high) = bench.paired_speedup(greedy, [g / 0.9 for g in greedy])
+    assert [median, low, high] == pytest.approx([0.9] * 3)
+    # Ratios on both sides of 1.0x: an interval around their median that holds 1.0x.
+    ratios = [0.8, 0.9, 1.0, 1.1, 1.2, 0.95, 1.05]
+    median, (low, high) = bench.paired_speedup([1.0] * 7, [1 / r for r in ratios])
+    assert median == pytest.approx(1.0) and 0.8 <= low < 1.0 < high <= 1.2
+    assert bench.paired_speedup(greedy[:4], greedy[:4]) == (1.0, None)  # four pairs: too few to bound
+
+
+def test_bench_gives_chosen_spec_bench_answers_paired_intervals(tmp_path, capsys):
+    import bench
+    folder = write_tokenizer(write_checkpoint(tmp_path / "tiny", random_model(seed=4, vocab_size=32, max_seq_len=4096)))
+    out = tmp_path / "spec.json"
+    code = bench.main(["--model", str(folder), "--dataset", "spec-bench", "--questions", "102", "81", "--no-peers",
+                       "--max-new-tokens", "4", "--repeats", "5", "--control", "--json", str(out)])
+    table = capsys.readouterr().out
+    assert code == 0, table
+    result = json.loads(out.read_text())
+    assert [(a["question_id"], a["turn"]) for a in result["answers"]] == [(81, 1), (81, 2), (102, 1), (102, 2)]
+    for name in ("dynamic", "greedy-again"):
+        rows = result["intervals"][name]
+        assert [label for label, *_ in rows] == ["writing 81", "writing 81 turn 2", "reasoning 102", "reasoning 102 turn 2"]
+        for (label, median, (low, high)), answer in zip(rows, result["answers"]):
+            ratios = [g / s for g, s in zip(answer["greedy"]["runs"], answer[name]["runs"])]
+            assert len(ratios) == 5 and median == pytest.approx(statistics.median(ratios)) and low <= median <= high
+    assert "interval above 1.0x" in table and "below 0.9x" in table
+    for argv, message in ((["--questions", "81"], "go with --dataset spec-bench"),
+                          (["--dataset", "spec-bench", "--questions", "81", "80"], "no question 80 \\(its ids run from 81 to 560")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert re.search(message, capsys.readouterr().err)
 
 
 def test_bench_built_in_prompts_with_transformers_peers(tiny_checkpoint, tmp_path, capsys, monkeypatch):
