@@ -950,8 +950,12 @@ def run(args, argv) -> int:
         return generate(model, ids, n_new, stop_ids=stop, costs=costs, memory=memory, **dict(cfg.options))
 
     command = "python bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"{'' if args.markdown else '# '}`{command}`: {machine(device)}, {str(dtype).removeprefix('torch.')}, "
-          f"{f'Spec-Bench, {args.per_category} per category' if args.dataset else 'summaries of Spec-Bench articles' if args.long is not None else f'{len(prompts)} prompts'} x {n_new} "
+    if args.dataset:
+        what = (f"Spec-Bench questions {', '.join(map(str, args.questions))}" if args.questions else
+                f"Spec-Bench, {args.per_category} per category")
+    else:
+        what = "summaries of Spec-Bench articles" if args.long is not None else f"{len(prompts)} prompts"
+    print(f"{'' if args.markdown else '# '}`{command}`: {machine(device)}, {str(dtype).removeprefix('torch.')}, {what} x {n_new} "
           f"tokens, median of {args.repeats} runs"
           + (f", beside {args.busy} busy process{'es' if args.busy > 1 else ''}" if args.busy else "")
           + (f", compiled in {compile_seconds:.0f} s" if args.compile else "") + (":\n" if args.markdown else ""), flush=True)

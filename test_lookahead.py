@@ -2223,7 +2223,7 @@ def test_bench_gives_chosen_spec_bench_answers_paired_intervals(tmp_path, capsys
         for (label, median, (low, high)), answer in zip(rows, result["answers"]):
             ratios = [g / s for g, s in zip(answer["greedy"]["runs"], answer[name]["runs"])]
             assert len(ratios) == 5 and median == pytest.approx(statistics.median(ratios)) and low <= median <= high
-    assert "interval above 1.0x" in table and "below 0.9x" in table
+    assert "Spec-Bench questions 102, 81 x 4 tokens" in table and "interval above 1.0x" in table and "below 0.9x" in table
     for argv, message in ((["--questions", "81"], "go with --dataset spec-bench"),
                           (["--dataset", "spec-bench", "--questions", "81", "80"], "no question 80 \\(its ids run from 81 to 560")):
         with pytest.raises(SystemExit):
