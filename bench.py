@@ -747,6 +747,11 @@ def print_noise(names, runs: list[dict], labels: list[str], markdown: bool) -> d
     return {name: [[label, m, list(interval)] for label, m, interval in rows] for name, rows in out.items()}
 
 
+def add_to_json(path, **fields):
+    """Fields added to the results --json already wrote (tables printed after the run's own)."""
+    Path(path).write_text(json.dumps(dict(json.loads(Path(path).read_text()), **fields), indent=1))
+
+
 def rotated(decoders: list, r: int) -> list:
     """The decoders after greedy in repeat r's order: each repeat starts one further along, so
     none always runs right after greedy (on this VM a run's place in the order moves it ~1%)."""
@@ -983,7 +988,7 @@ def run(args, argv) -> int:
         labels = [f"{a['category']} {a['question_id']}" + (f" turn {a['turn']}" if a["turn"] > 1 else "") for a in answers]
         intervals = print_noise(names, [{n: a[n]["runs"] for n in names} for a in answers], labels, args.markdown)
         if args.json and intervals:
-            Path(args.json).write_text(json.dumps(dict(json.loads(Path(args.json).read_text()), intervals=intervals), indent=1))
+            add_to_json(args.json, intervals=intervals)
         if args.plot:
             plot_spec_bench(args.plot, names, categories, summary)
         return 0 if all(a[n]["identical"] for a in answers for n in names) else 1
@@ -1041,12 +1046,11 @@ def run(args, argv) -> int:
     intervals = print_noise(list(per_prompt), [{n: runs[i] for n, runs in per_prompt.items()} for i in range(len(labels))],
                             labels, args.markdown)
     if args.json and intervals:
-        Path(args.json).write_text(json.dumps(dict(json.loads(Path(args.json).read_text()), intervals=intervals), indent=1))
+        add_to_json(args.json, intervals=intervals)
     if curve:
         print_projection(rows, results, sum(g.steps for g, _ in results["greedy"]), curve, args.costs)
         if args.json:
-            data = json.loads(Path(args.json).read_text())
-            Path(args.json).write_text(json.dumps(dict(data, rows=rows), indent=1))
+            add_to_json(args.json, rows=rows)
     same = all(row["identical"] for row in rows) and all(ok for runs in peer_results.values() for *_, ok in runs)
     return 0 if same else 1
 

@@ -321,6 +321,10 @@ class StepCosts:
     at one moment, so free of the drift; the median drops the pairs a burst fell on), once there
     are 4 of them. Only the choice between sizes reads the estimates, so ratios are enough:
     estimate(s) = estimate(s/2) x that ratio, and the sizes' own quartiles are the fallback.
+    A size not run for STALE steps forgets its timings and its pairs: timed dear in a burst of
+    load, it would never be chosen again, so never timed again, and the shape would step like
+    greedy for the rest of the process; forgotten, it is priced as an untried size, tried, and
+    timed anew.
 
     A size run fewer than twice, or not yet, is assumed to cost what the largest measured
     smaller size costs, times the growth seen between the two largest measured sizes for each
@@ -333,9 +337,12 @@ class StepCosts:
     `table` fixes the estimates instead (a cost model for tests and experiments: sizes not in
     it are never chosen)."""
 
+    STALE = 128
+
     def __init__(self, table: dict[int, float] | None = None):
         self.table = table
         self.samples: dict[int, deque] = {}
+        self.steps, self.last_run = 0, {}  # steps recorded; size -> the step it last ran at
         self.recent = deque(maxlen=8)  # the sizes of the last steps
         self.known = {}  # size -> estimate, since the last record
         self.doublings: dict[int, deque] = {}  # s -> seconds of a 2s-token step / an s-token step next to it
@@ -359,6 +366,12 @@ class StepCosts:
         right before it in the same request and batch, None at its first step (or a new batch)."""
         self.recent.append(size)
         if self.table is None:
+            self.steps += 1
+            self.last_run[size] = self.steps
+            for stale in [s for s, at in self.last_run.items() if self.steps - at >= self.STALE]:
+                del self.last_run[stale], self.samples[stale]
+                for small in (stale >> 1, stale):  # the pairs it took part in, below it and above
+                    self.doublings.pop(small, None)
             self.samples.setdefault(size, deque(maxlen=8)).append(seconds)
             if before is not None and (size == 2 * before[0] or before[0] == 2 * size):
                 (small, t_small), (_, t_large) = sorted([before, (size, seconds)])

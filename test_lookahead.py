@@ -1219,6 +1219,25 @@ def test_the_dynamic_shape_pairs_the_steps_of_one_request_only():
         assert calls[i][2] == (None if i in changed else calls[i - 1][:2])
 
 
+def test_a_size_not_run_for_a_while_forgets_its_timings_and_is_tried_again():
+    # A burst of load times the 2-token step at 3x a 1-token one, side by side: priced so, it is
+    # never chosen, so never timed again. After STALE steps without it, it is an untried size
+    # again (as cheap as the largest smaller one), and so is its pair.
+    costs, before = StepCosts(), None
+    for size, t in [(1, 0.10), (2, 0.30)] * 4:
+        costs.record(size, t, before)
+        before = (size, t)
+    assert costs.estimate(2) == pytest.approx(0.30)
+    for _ in range(StepCosts.STALE - 1):
+        costs.record(1, 0.10, (1, 0.10))
+    assert costs.estimate(2) == pytest.approx(0.30)  # not yet: STALE steps since its last run
+    costs.record(1, 0.10, (1, 0.10))
+    assert costs.estimate(2) == costs.estimate(1) == 0.10 and 1 not in costs.doublings
+    assert costs.estimate(4) is None  # climbed to one rung at a time again
+    [(kept, w, shape)] = choose_shape([RowState(CandidateTree(7, [Candidate((3,), "pool1")]), Acceptance(), 1, 0, False)], costs, 128)
+    assert shape.size == 2  # a guess is worth a step that costs what `last` alone does
+
+
 def test_a_wider_step_is_never_estimated_cheaper_than_a_narrower_one():
     # A 2-token step costs about what a 1-token one does on a CPU, and noise timed it below the
     # 1-token step for whole requests: read as is, a padded 2-token step holding no guess at all
