@@ -1234,7 +1234,8 @@ def test_a_size_not_run_for_a_while_forgets_its_timings_and_is_tried_again():
     costs.record(1, 0.10, (1, 0.10))
     assert costs.estimate(2) == costs.estimate(1) == 0.10 and 1 not in costs.doublings
     assert costs.estimate(4) is None  # climbed to one rung at a time again
-    [(kept, w, shape)] = choose_shape([RowState(CandidateTree(7, [Candidate((3,), "pool1")]), Acceptance(), 1, 0, False)], costs, 128)
+    guess = CandidateTree(7, [Candidate((3,), "pool1")])
+    [(kept, w, shape)] = choose_shape([RowState(guess, Acceptance(), 1, 0, False)], costs, 128)
     assert shape.size == 2  # a guess is worth a step that costs what `last` alone does
 
 
