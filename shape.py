@@ -9,9 +9,10 @@ FixedShape is the paper's (W, N, G every step). DynamicShape chooses per step: l
 decoding verifies any guesses exactly, and what it should guess depends on what a step costs on
 this device and on how often guesses like these were right. choose_shape maximises the expected
 committed tokens per second from two online estimates: StepCosts (seconds per step size,
-measured) and Acceptance (how often each source's guesses were right in this request); a
-SourceLedger weighs what each source's own seconds buy. The guesses come as lookahead.Tree
-tries of drafts.Candidate chains.
+measured) and Acceptance (how often each source's guesses were right in this request), the
+gains scaled by each row's Calibration (how far its expectations have held); a SourceLedger
+weighs what each source's own seconds buy. The guesses come as lookahead.Tree tries of
+drafts.Candidate chains.
 """
 import math
 import statistics
@@ -33,8 +34,8 @@ WIDTHS = (0,) + tuple(1 << i for i in range(16))  # the window widths a dynamic 
 @dataclass
 class Shape:
     """What a step ran: window columns x levels, guesses in the trie, tokens padded to `size`,
-    and (dynamic steps) the tokens it was expected to commit and its estimated cost against the
-    cheapest step."""
+    and (dynamic steps) the tokens Acceptance expected it to commit (before the row's
+    Calibration) and its estimated cost against the cheapest step."""
     window: int
     levels: int
     guesses: int
@@ -53,13 +54,14 @@ class Plan(NamedTuple):
 
 class RowState(NamedTuple):
     """What choose_shape weighs for one row: its trie of candidates, its Acceptance, the window's
-    levels now (1 while it has none), the most window columns it may run, and whether its Jacobi
-    guess is asked this step (step_values' bonus)."""
+    levels now (1 while it has none), the most window columns it may run, whether its Jacobi
+    guess is asked this step (step_values' bonus), and its Calibration's factor."""
     tree: object
     acceptance: "Acceptance"
     levels: int
     max_window: int
     jacobi: bool
+    trust: float = 1.0  # the row's Calibration.factor(): its expected gains count this much
 
 
 def shape_policy(model, window, ngram, candidates, costs):
@@ -128,14 +130,16 @@ class FixedShape:
 
 class DynamicShape:
     """Every step the guesses and window columns with the most expected tokens per second
-    (choose_shape), from each row's Acceptance and the StepCosts of B-row steps on this model
-    (kept per model across requests; `costs` fixes them instead). Where the costs are measured,
-    a GreedyCheck watches what the steps actually commit per second, and while that is less
-    than one-token steps commit, the steps are one-token steps (no source asked, no window)."""
+    (choose_shape), from each row's Acceptance and Calibration and the StepCosts of B-row steps
+    on this model (kept per model across requests; `costs` fixes them instead). Where the costs
+    are measured, a GreedyCheck watches what the steps actually commit per second, and while
+    that is less than one-token steps commit, the steps are one-token steps (no source asked,
+    no window)."""
 
     def __init__(self, N: int, model, costs: "StepCosts | None" = None):
         self.N, self.model, self.fixed_costs = N, model, costs
         self.pool_cap, self.acceptance, self.ledgers = MAX_CANDIDATES, {}, {}  # row -> its Acceptance, SourceLedger
+        self.calibration = {}  # row -> its Calibration
         self.step_costs = {}  # B -> StepCosts of B-row steps (STEP_COSTS' entry, looked up once)
         size = step_size(1 + (MAX_WINDOW + MAX_CANDIDATES) * (N - 1))
         self.largest = min(MAX_STEP, 2 * size)
@@ -164,14 +168,15 @@ class DynamicShape:
         if self.resting:  # one-token steps: `last` alone (no source was asked), no window
             return [Plan(tree, 0, Shape(0, 0, 0, 1)) for tree in trees]
         return choose_shape([RowState(tree, once(self.acceptance, row, Acceptance), len(row.window) or 1, MAX_WINDOW,
-                                      row.jacobi in row.proposers) for row, tree in zip(rows, trees)],
-                            self.costs(len(rows)), limit)
+                                      row.jacobi in row.proposers, once(self.calibration, row, Calibration).factor())
+                             for row, tree in zip(rows, trees)], self.costs(len(rows)), limit)
 
     def observe(self, rows, steps, T: int, seconds: float):
         for row, step in zip(rows, steps):
             tested = list(labelled(step.tree, {0, *step.path}))  # the guesses the step tested, walked once for both
             self.acceptance[row].record(step.tree, step.path, step.columns, tested)
             self.ledgers[row].record(row, step, seconds, tested, asked=not self.resting)
+            once(self.calibration, row, Calibration).record(step.shape, len(step.committed))
         before, self.before = self.before, (len(rows), T, seconds)  # a doubling is timed from steps in a row
         self.costs(len(rows)).record(T, seconds, before[1:] if before and before[0] == len(rows) else None)
         if self.check is not None:
@@ -262,6 +267,35 @@ class SourceLedger:
             self.rest[s], self.backoff[s] = self.backoff[s], min(2 * self.backoff[s], self.LONGEST_REST)
         else:
             self.backoff[s] = self.FIRST_REST
+
+
+class Calibration:
+    """How far a row's expectations have held, as a factor on its expected gains: the tokens its
+    steps committed beyond `last` over the tokens Acceptance expected of them beyond `last`
+    (Shape.expected - 1), from PRIOR tokens of each, each step weighing DECAY times the one
+    after it, never above 1. Acceptance learns per (label, depth, rank), starting from the
+    priors the candidates state, so where every guess fails the failures spread over many keys,
+    each still near its prior, and the steps go on expecting more than they commit (by how much:
+    docs/PERFORMANCE.md); this sees the row's steps as a whole. Never above 1: where guesses beat
+    their estimates Acceptance learns it soon enough, and a factor above 1 bought wide steps that
+    did not pay. And it forgets: one-token steps decay the sums too, so a row whose guesses
+    failed comes to expect more again, and tries again."""
+
+    PRIOR, DECAY = 1.0, 0.95
+
+    def __init__(self):
+        self.expected = self.committed = 0.0  # tokens beyond `last`, decayed sums
+
+    def factor(self) -> float:
+        return min(1.0, (self.committed + self.PRIOR) / (self.expected + self.PRIOR))
+
+    def record(self, shape: Shape, committed: int):
+        """After a step of this Shape that committed `committed` tokens."""
+        self.expected *= self.DECAY
+        self.committed *= self.DECAY
+        if shape.size > 1:  # it held guesses or a window (a one-token step expects nothing beyond `last`)
+            self.expected += max(0.0, shape.expected - 1)
+            self.committed += committed - 1
 
 
 class GreedyCheck:
@@ -542,14 +576,16 @@ def step_values(tree, acceptance: Acceptance, levels: int, max_window: int, limi
 def choose_shape(rows: list[RowState], costs: StepCosts, limit: int) -> list[Plan]:
     """The dynamic policy: the step size T that maximises the expected committed tokens per
     second, i.e. the sum over the batch's rows of what a step of size T is worth to each
-    (step_values), over what it costs (costs.estimate(T)); then each row's best guesses and
-    window columns within T. Returns each row's Plan: the trie of the guesses kept."""
+    (step_values: 1 + its expected gain beyond `last`, the gain times the row's trust), over what
+    it costs (costs.estimate(T)); then each row's best guesses and window columns within T.
+    Returns each row's Plan: the trie of the guesses kept."""
     values = [step_values(row.tree, row.acceptance, row.levels, row.max_window, limit, row.jacobi) for row in rows]
+    gains = [(row.trust, best) for row, (_, best) in zip(rows, values)]
     cheapest = min((c for s in (1, 2) if (c := costs.estimate(s))), default=1.0)
     rate, T, size = 0.0, 1, 1  # `last` alone, should a cost model offer no size at all
     while size <= limit:
         cost = costs.estimate(size)
-        if cost is not None and (expected := sum(best[size][0] for _, best in values)) / cost > rate:
+        if cost is not None and (expected := sum(1 + t * (best[size][0] - 1) for t, best in gains)) / cost > rate:
             rate, T = expected / cost, size
         size *= 2
     plans = []

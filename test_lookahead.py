@@ -37,7 +37,7 @@ from engine import RowStep, generate, generate_batch
 from lookahead import NGramPool, Tree
 from drafts import CandidateTree, PoolSource
 from step_inputs import row_inputs
-from shape import Acceptance, RowState, Shape, StepCosts, chances, choose_shape, labelled
+from shape import Acceptance, Calibration, RowState, Shape, StepCosts, chances, choose_shape, labelled
 from model import step_size
 
 
@@ -1285,6 +1285,50 @@ def test_greedy_check_rests_while_lookahead_loses_and_tries_again():
     for _ in range(GreedyCheck.STALE):  # long after the last one-token step: timed again before judging
         lookahead(2)
     assert check.rest == GreedyCheck.PROBE
+
+
+def test_calibration_stops_the_steps_of_a_row_whose_guesses_keep_failing_and_lets_them_try_again():
+    # A guess Acceptance still rates 0.2 makes a 2-token step that costs 1.1 worth running
+    # (1.2 / 1.1 tokens per cost against 1.0). Steps that expected that and committed `last`
+    # alone bring the row's factor down until a one-token step wins; one-token steps let it
+    # forget, and the 2-token step is tried again. Guesses that beat their estimates never
+    # raise it above 1.
+    tree = CandidateTree(7, [Candidate((3,), "pool1")])
+    acceptance = Acceptance()
+    acceptance.counts[("pool1", 1, 0)] = [0, 1]  # (0 + 0.6) / 3 = 0.2
+    costs = StepCosts({1: 1.0, 2: 1.1})
+    size = lambda trust: choose_shape([RowState(tree, acceptance, 1, 0, False, trust)], costs, 128)[0].shape.size
+    calibration = Calibration()
+    assert calibration.factor() == 1.0 and size(calibration.factor()) == 2
+    failed = next((n for n in range(64) if size(calibration.factor()) == 1
+                   or calibration.record(Shape(0, 0, 1, 2, expected=1.2), 1)), None)  # steps until it stops
+    assert failed is not None and 1 < failed < 8 and calibration.factor() < 0.5
+    resting = next((n for n in range(256) if size(calibration.factor()) == 2
+                    or calibration.record(Shape(0, 0, 0, 1), 1)), None)  # one-token steps until it tries again
+    assert resting is not None and 1 < resting < 64
+    for _ in range(20):
+        calibration.record(Shape(0, 0, 1, 2, expected=1.2), 2)  # right every time
+    assert calibration.factor() == 1.0
+
+
+def test_the_dynamic_shape_runs_fewer_steps_that_fail_once_its_expectations_have_failed(monkeypatch):
+    # Little to guess from, and a 2-token step 1.2x `last` alone: the priors promise about 1.35
+    # tokens a 2-token step, and about one in eight is right. Each row's Calibration sees its
+    # steps commit less than they promised and steps like greedy more often, for less time under
+    # the cost model; with a prior too large to move (no calibration), more steps fail. The cost
+    # model is given, so no clock and no GreedyCheck: the difference is the calibration's.
+    model = random_model(seed=3, vocab_size=64)
+    prompt = [random.Random(0).randrange(64) for _ in range(24)]
+    want = greedy_decode(model, prompt, 100).tokens
+    cost = {1: 1.0, 2: 1.2}
+    failed, seconds = {}, {}
+    for calibrated in (True, False):
+        monkeypatch.setattr(Calibration, "PRIOR", 1.0 if calibrated else 1e12)
+        got = generate(model, prompt, 100, costs=StepCosts(cost))
+        assert got.tokens == want
+        failed[calibrated] = sum(s.size > 1 and n == 1 for s, n in zip(got.shapes, got.committed))
+        seconds[calibrated] = sum(cost[s.size] for s in got.shapes)
+    assert failed[True] < 0.75 * failed[False] and seconds[True] < seconds[False], (failed, seconds)
 
 
 def test_the_dynamic_shape_falls_back_to_one_token_steps_while_its_steps_lose(monkeypatch):
