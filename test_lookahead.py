@@ -1300,12 +1300,16 @@ def test_calibration_stops_the_steps_of_a_row_whose_guesses_keep_failing_and_let
     size = lambda trust: choose_shape([RowState(tree, acceptance, 1, 0, False, trust)], costs, 128)[0].shape.size
     calibration = Calibration()
     assert calibration.factor() == 1.0 and size(calibration.factor()) == 2
-    failed = next((n for n in range(64) if size(calibration.factor()) == 1
-                   or calibration.record(Shape(0, 0, 1, 2, expected=1.2), 1)), None)  # steps until it stops
-    assert failed is not None and 1 < failed < 8 and calibration.factor() < 0.5
-    resting = next((n for n in range(256) if size(calibration.factor()) == 2
-                    or calibration.record(Shape(0, 0, 0, 1), 1)), None)  # one-token steps until it tries again
-    assert resting is not None and 1 < resting < 64
+    failed = 0  # 2-token steps that committed `last` alone, until a one-token step wins
+    while size(calibration.factor()) == 2 and failed < 64:
+        calibration.record(Shape(0, 0, 1, 2, expected=1.2), 1)
+        failed += 1
+    assert 1 < failed < 8 and calibration.factor() < 0.5
+    resting = 0  # one-token steps, until the 2-token step is tried again
+    while size(calibration.factor()) == 1 and resting < 256:
+        calibration.record(Shape(0, 0, 0, 1), 1)
+        resting += 1
+    assert 1 < resting < 64
     for _ in range(20):
         calibration.record(Shape(0, 0, 1, 2, expected=1.2), 2)  # right every time
     assert calibration.factor() == 1.0
